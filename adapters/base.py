@@ -1,0 +1,363 @@
+"""The adapter contract: what a suite may ask of an engine, and the capability set.
+
+Suites never name an engine. They mark each check with the capabilities it needs
+(`@pytest.mark.requires(Capability.X)`); an engine lacking one is skipped with
+"engine E lacks capability X" (SQLAlchemy's requirements pattern). Every method below that an
+engine cannot support raises NotImplementedError, and its capability stays out of the set
+(fsspec's abstract-test pattern): declaring a capability is a promise the method works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, ClassVar
+
+import requests
+
+from kvconform import envs
+from kvconform.envs import BuiltEnv
+from kvconform.errors import EngineError, UsageError
+from kvconform.events import EventLedger
+from kvconform.memory import MemorySample, sample_processes
+from kvconform.metrics import MetricSnapshot, parse_prometheus
+from kvconform.processes import TeardownReport
+
+
+class Capability(StrEnum):
+    # prefix reuse
+    PREFIX_CACHE = "prefix_cache"  # serve_prompt() reports cached tokens per request
+    PREFIX_HIT_COUNTERS = "prefix_hit_counters"  # engine-wide queried/hit token counters
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    BLOCK_SIZE_CONFIG = "block_size_config"  # can run at a chosen block size
+    RESTART = "restart"  # the suite owns the processes and can stop/start them
+    PERSISTENT_PREFIX = "persistent_prefix"  # the engine promises hits survive a restart
+    CORRUPT_PERSISTED = "corrupt_persisted"  # persisted entries can be corrupted on disk
+    FORCED_EVICTION = "forced_eviction"  # the cache can be filled until a prefix is evicted
+    # memory
+    HOST_MEMORY = "host_memory"  # the engine's own process tree is known
+    INSTANCE_CHURN = "instance_churn"  # create/load/release instances repeatedly
+    LONG_SESSION = "long_session"  # multi-turn conversations on one server
+    # offload
+    OFFLOAD_GAUGES = "offload_gauges"  # usage / write / read gauges of an offload tier
+    OFFLOAD_STORE_FAILURE = "offload_store_failure"  # stores can be made to fail on demand
+    OFFLOAD_HOST_HITS = "offload_host_hits"  # offloaded prefixes come back as host hits
+    TIERED_STORE_METRICS = "tiered_store_metrics"  # L1/L2 usage and store counters
+    BLOCK_POOL_STATS = "block_pool_stats"  # used/free/max blocks and reuse counters
+    # events and transfer
+    KV_EVENTS = "kv_events"
+    ABORT_REQUESTS = "abort_requests"  # client disconnect mid-request
+    TRANSFER_ACCOUNTING = "transfer_accounting"  # sender/receiver byte counters
+    PAGE_INDEX = "page_index"  # KV indices -> page indices
+    RELEASE_GUARD = "release_guard"  # a second release of one request's KV is refused
+    BLOCK_TRACKER = "block_tracker"  # router-side active block accounting
+    RADIX_INDEX = "radix_index"  # a prefix index fed by KV events (router side)
+    RADIX_CACHE_MODEL = "radix_cache_model"  # an engine radix cache drivable step by step
+    ROUTER_PREDICTION = "router_prediction"  # router predicts cached prefix per request
+    TRACE_REPLAY = "trace_replay"  # offline replay of a synthetic trace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What KV sizes are computed from, independently of what the engine reports."""
+
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype_bytes: int = 2  # bfloat16
+    mla: bool = False  # MLA keeps one latent vector per token instead of K and V
+
+    def kv_bytes_per_token(self) -> int:
+        per_layer = self.kv_heads * self.head_dim * self.dtype_bytes
+        return self.layers * per_layer * (1 if self.mla else 2)
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.kv_bytes_per_token() * block_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the suite wants the engine to run. Adapters restart only when this changes."""
+
+    block_size: int | None = None  # None: the adapter's default
+    offload: bool = False  # enable the host offload tier
+    fail_stores: bool = False  # offload stores fail (failed-store path)
+    persistent: bool = False  # enable the persistent (disk) tier
+
+    def with_(self, **changes: Any) -> EngineConfig:
+        return replace(self, **changes)
+
+
+@dataclass
+class ServedPrompt:
+    prompt_tokens: int
+    cached_tokens: int
+    output: list[int] = field(default_factory=list)
+    source: dict[str, int] = field(default_factory=dict)  # cached tokens by tier, if known
+
+
+@dataclass
+class AdapterContext:
+    workdir: Path
+    url: str | None = None  # attach mode
+    faults: tuple[str, ...] = ()
+    start_timeout_s: float = 300.0
+    request_timeout_s: float = 60.0
+    env_name: str | None = None  # override the environment spec (e.g. another version)
+
+
+class EngineAdapter(ABC):
+    name: ClassVar[str]
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    attach_capabilities_removed: ClassVar[frozenset[Capability]] = frozenset(
+        {
+            Capability.RESTART,
+            Capability.BLOCK_SIZE_CONFIG,
+            Capability.PERSISTENT_PREFIX,
+            Capability.CORRUPT_PERSISTED,
+            Capability.INSTANCE_CHURN,
+            Capability.HOST_MEMORY,
+            Capability.OFFLOAD_STORE_FAILURE,
+        }
+    )
+    default_block_size: ClassVar[int] = 16
+    # Serving engines compute at least the last prompt token, so a fully cached prompt hits
+    # one block less; pure cache stores return every stored block.
+    recomputes_last_token: ClassVar[bool] = True
+    # Logical metric -> this engine's metric name (Prometheus sample name).
+    metric_names: ClassVar[dict[str, str]] = {}
+    model: ClassVar[ModelShape] = ModelShape()
+    # Environment spec under ci/envs/ (None: runs in the suite's own environment).
+    env_spec: ClassVar[str | None] = None
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        self.ctx = ctx
+        self.config: EngineConfig | None = None
+        self.base_url: str | None = ctx.url
+        self.http = requests.Session()
+        self.ledger = EventLedger()
+        self._env: BuiltEnv | None = None
+
+    # ---- identity -----------------------------------------------------------------------
+    @property
+    def version(self) -> str:
+        if self.attached:
+            return self.attached_version()
+        if self.env_spec is None:
+            return "unknown"
+        try:
+            return self.env().version
+        except UsageError:
+            return "not built"
+
+    def attached_version(self) -> str:
+        return "unknown (attached)"
+
+    def env(self) -> BuiltEnv:
+        if self._env is None:
+            self._env = envs.find(self.ctx.env_name or self.env_spec or self.name)
+        return self._env
+
+    def preflight(self) -> None:
+        """Fail fast, with one line, on what would make every check of this engine fail."""
+        if self.attached:
+            self.check_reachable()
+        elif self.env_spec is not None:
+            self.env()
+
+    @property
+    def attached(self) -> bool:
+        return self.ctx.url is not None
+
+    def effective_capabilities(self) -> frozenset[Capability]:
+        if self.attached:
+            return self.capabilities - self.attach_capabilities_removed
+        return self.capabilities
+
+    def block_size(self) -> int:
+        if self.config is not None and self.config.block_size is not None:
+            return self.config.block_size
+        return self.default_block_size
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        """Have the engine running in `config` (default config if None); restart if needed."""
+        config = config or EngineConfig()
+        if self.attached:
+            if self.config is None:
+                self.check_reachable()
+                self.config = config
+            return
+        if self.config == config and self.running():
+            return
+        if self.config is not None:
+            self.stop()
+        self.start(config)
+        self.config = config
+
+    def start(self, config: EngineConfig) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> list[TeardownReport]:
+        """Stop every process this adapter started; reports say what teardown found."""
+        self.config = None
+        return []
+
+    def restart(self) -> list[TeardownReport]:
+        config = self.config or EngineConfig()
+        reports = self.stop()
+        self.start(config)
+        self.config = config
+        return reports
+
+    def running(self) -> bool:
+        return self.config is not None
+
+    health_path: ClassVar[str] = "/health"
+
+    def check_reachable(self) -> None:
+        """Attach mode: one quick request; a UsageError names the engine and the URL."""
+        url = self.url(self.health_path)
+        try:
+            resp = self.http.get(url, timeout=5)
+        except requests.RequestException as exc:
+            reason = type(exc).__name__
+            if isinstance(exc, requests.ConnectionError):
+                reason = "connection refused or host unreachable"
+            raise UsageError(f"engine {self.name} at {self.ctx.url} is unreachable ({reason})") from None
+        if resp.status_code != 200:
+            raise UsageError(
+                f"engine {self.name} at {self.ctx.url}: {self.health_path} answered HTTP {resp.status_code}"
+            )
+
+    def close(self) -> None:
+        if not self.attached:
+            self.stop()
+
+    # ---- requests -----------------------------------------------------------------------
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        """Serve one prompt as a serving engine would: look up its prefix, compute the rest,
+        keep the result cached. Reports the cached tokens the engine itself claims."""
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
+    def metrics(self) -> MetricSnapshot:
+        raise NotImplementedError
+
+    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        name = self.metric_names.get(logical)
+        if name is None:
+            raise NotImplementedError(f"engine {self.name} maps no metric for {logical!r}")
+        return snapshot.value(name, **labels)
+
+    def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        return self.metric(logical, after) - self.metric(logical, before)
+
+    # ---- memory -------------------------------------------------------------------------
+    def engine_pids(self) -> list[int]:
+        """Every live process of the engine (its whole tree)."""
+        raise NotImplementedError
+
+    def memory_sample(self) -> MemorySample:
+        return sample_processes(self.engine_pids())
+
+    # ---- helpers for HTTP engines ---------------------------------------------------------
+    def url(self, path: str) -> str:
+        if self.base_url is None:
+            raise EngineError(self.name, "not started")
+        return self.base_url.rstrip("/") + path
+
+    def get_json(self, path: str, timeout: float | None = None) -> Any:
+        resp = self._request("GET", path, timeout=timeout)
+        return self._json(resp, path)
+
+    def post_json(self, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        resp = self._request("POST", path, json=body, timeout=timeout)
+        return self._json(resp, path)
+
+    def scrape(self, path: str = "/metrics") -> MetricSnapshot:
+        resp = self._request("GET", path)
+        return parse_prometheus(resp.text, self.name, path)
+
+    def _request(self, method: str, path: str, timeout: float | None = None, **kw: Any) -> requests.Response:
+        try:
+            resp = self.http.request(
+                method, self.url(path), timeout=timeout or self.ctx.request_timeout_s, **kw
+            )
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"{method} {path} failed: {exc}", self.log_tail()) from None
+        if resp.status_code >= 400:
+            raise EngineError(
+                self.name, f"{method} {path} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
+            )
+        return resp
+
+    def _json(self, resp: requests.Response, path: str) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            raise EngineError(self.name, f"{path} returned non-JSON: {resp.text[:200]!r}") from None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return ""
+
+    def describe_logs(self) -> dict[str, str]:
+        """Log tails by process name, attached to the report on failure."""
+        return {}
+
+
+def wait_http_ok(session: requests.Session, url: str, timeout: float = 2.0) -> bool:
+    with contextlib.suppress(requests.RequestException):
+        return session.get(url, timeout=timeout).status_code == 200
+    return False
+
+
+def poll_until(predicate: Any, timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+class LaunchedServer:
+    """One engine server process the suite owns: launch, health wait, teardown report."""
+
+    def __init__(
+        self,
+        engine: str,
+        name: str,
+        argv: list[str],
+        workdir: Path,
+        health_url: str,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 300.0,
+        shm_patterns: tuple[str, ...] = (),
+        session: requests.Session | None = None,
+    ) -> None:
+        from kvconform.processes import EngineProcess, wait_until_ready
+
+        self.engine = engine
+        self.process = EngineProcess(
+            name, argv, workdir / "logs" / f"{name}.log", env=env, shm_patterns=shm_patterns
+        )
+        http = session or requests.Session()
+        self.ready_after_s = wait_until_ready(
+            self.process, engine, lambda: wait_http_ok(http, health_url), timeout_s, what=health_url
+        )
+
+    def stop(self) -> TeardownReport:
+        return self.process.stop()
+
+    def pids(self) -> list[int]:
+        return self.process.pids()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.process.log_tail(lines)

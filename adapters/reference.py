@@ -1,0 +1,293 @@
+"""The reference engine (engines/reference): the suite's own, fault-injectable proving ground.
+
+It runs with the suite's interpreter (torch is a suite dependency), so it needs no engine
+environment: `pytest suites` works on a fresh checkout. Faults come from --fault.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+from adapters.base import (
+    AdapterContext,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    LaunchedServer,
+    ModelShape,
+    ServedPrompt,
+)
+from engines.reference.server import VERSION
+from kvconform.errors import EngineError
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import SHM_DIR, TeardownReport, free_port
+from kvconform.zmq_events import ZmqEventSubscriber
+
+C = Capability
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NUM_BLOCKS = 256
+OFFLOAD_CHUNKS = 64
+
+
+class ReferenceAdapter(EngineAdapter):
+    name = "reference"
+    env_spec = None
+    default_block_size = 16
+    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.RESET_PREFIX_CACHE,
+            C.BLOCK_SIZE_CONFIG,
+            C.RESTART,
+            C.PERSISTENT_PREFIX,
+            C.CORRUPT_PERSISTED,
+            C.FORCED_EVICTION,
+            C.HOST_MEMORY,
+            C.INSTANCE_CHURN,
+            C.LONG_SESSION,
+            C.OFFLOAD_GAUGES,
+            C.OFFLOAD_STORE_FAILURE,
+            C.OFFLOAD_HOST_HITS,
+            C.TIERED_STORE_METRICS,
+            C.KV_EVENTS,
+            C.ABORT_REQUESTS,
+            C.TRANSFER_ACCOUNTING,
+            C.PAGE_INDEX,
+            C.ROUTER_PREDICTION,
+        }
+    )
+    metric_names: ClassVar[dict[str, str]] = {
+        "prefix_queries": "kvref_prefix_queries_total",
+        "prefix_hits": "kvref_prefix_hits_total",
+        "cached_by_source": "kvref_prompt_tokens_cached_by_source_total",
+        "kv_usage": "kvref_kv_usage_perc",
+        "blocks_total": "kvref_blocks_total",
+        "offload_usage": "kvref_offload_usage_perc",
+        "offload_write_usage": "kvref_offload_write_usage_perc",
+        "offload_read_usage": "kvref_offload_read_usage_perc",
+        "offload_store_bytes": "kvref_offload_store_bytes_total",
+        "offload_load_bytes": "kvref_offload_load_bytes_total",
+        "offload_stored_blocks": "kvref_offload_stored_blocks_total",
+        "offload_loaded_blocks": "kvref_offload_loaded_blocks_total",
+        "offload_failed_stores": "kvref_offload_failed_stores_total",
+        "transfer_bytes_sent": "kvref_transfer_bytes_sent_total",
+        "transfer_bytes_received": "kvref_transfer_bytes_received_total",
+        "disk_usage_bytes": "kvref_disk_usage_bytes",
+        "disk_store_submitted": "kvref_disk_store_submitted_total",
+        "disk_store_completed": "kvref_disk_store_completed_total",
+    }
+    churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
+    shm_prefix = "kvconform-ref-"
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.server: LaunchedServer | None = None
+        self.decode: LaunchedServer | None = None
+        self.subscriber: ZmqEventSubscriber | None = None
+        self.exports: dict[str, tuple[str, int]] = {}
+
+    @property
+    def version(self) -> str:
+        return VERSION + (f"+faults:{','.join(self.ctx.faults)}" if self.ctx.faults else "")
+
+    def attached_version(self) -> str:
+        return str(self.get_json("/version").get("version", "unknown"))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def disk_dir(self) -> Path:
+        return self.ctx.workdir / "disk"
+
+    def _launch(self, name: str, config: EngineConfig, events: bool) -> tuple[LaunchedServer, str]:
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "engines.reference.server",
+            "--port",
+            str(port),
+            "--block-size",
+            str(config.block_size or self.default_block_size),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+        ]
+        if config.offload:
+            argv += ["--offload-chunks", str(OFFLOAD_CHUNKS)]
+        if config.persistent:
+            argv += ["--disk-dir", str(self.disk_dir())]
+        if events:
+            events_port, replay_port = free_port(), free_port()
+            self.subscriber = ZmqEventSubscriber(
+                self.ledger,
+                f"tcp://127.0.0.1:{events_port}",
+                topic="kv",
+                replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+            )
+            argv += [
+                "--events-endpoint",
+                f"tcp://127.0.0.1:{events_port}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{replay_port}",
+            ]
+        for fault in self.ctx.faults:
+            argv += ["--fault", fault]
+        url = f"http://127.0.0.1:{port}"
+        server = LaunchedServer(
+            self.name,
+            name,
+            argv,
+            self.ctx.workdir,
+            f"{url}/health",
+            env={"PYTHONPATH": str(REPO_ROOT)},
+            timeout_s=self.ctx.start_timeout_s,
+            session=self.http,
+        )
+        return server, url
+
+    def start(self, config: EngineConfig) -> None:
+        if not config.persistent and self.disk_dir().exists():
+            shutil.rmtree(self.disk_dir())
+        self.server, self.base_url = self._launch("reference", config, events=True)
+        self.config = config
+
+    def stop(self) -> list[TeardownReport]:
+        reports = []
+        for server in (self.server, self.decode):
+            if server is not None:
+                reports.append(server.stop())
+        self.server = self.decode = None
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
+        for name, _size in list(self.exports.values()):
+            (SHM_DIR / name).unlink(missing_ok=True)
+        self.exports.clear()
+        self.config = None
+        return reports
+
+    def running(self) -> bool:
+        return self.server is not None and self.server.process.alive()
+
+    # ---- requests -----------------------------------------------------------------------
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        data = self.post_json("/v1/completions", {"prompt": tokens, "max_tokens": max_tokens})
+        usage = data["usage"]
+        return ServedPrompt(
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            data["choices"][0]["token_ids"],
+            usage.get("cached_tokens_by_source", {}),
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "/reset_prefix_cache")
+
+    def metrics(self) -> MetricSnapshot:
+        return self.scrape("/metrics")
+
+    def engine_pids(self) -> list[int]:
+        return self.server.pids() if self.server else []
+
+    def predict_cached_tokens(self, tokens: list[int]) -> int:
+        return int(self.post_json("/router/predict", {"prompt": tokens})["predicted_cached_tokens"])
+
+    def stream_and_disconnect(self, tokens: list[int], after_tokens: int) -> int:
+        """Start a streaming request and drop the connection after a few tokens."""
+        resp = self.http.post(
+            self.url("/v1/completions"),
+            json={"prompt": tokens, "max_tokens": 64, "stream": True},
+            stream=True,
+            timeout=self.ctx.request_timeout_s,
+        )
+        received = 0
+        for line in resp.iter_lines():
+            if line.startswith(b"data:"):
+                received += 1
+                if received >= after_tokens:
+                    break
+        resp.close()
+        return received
+
+    # ---- persistence ---------------------------------------------------------------------
+    def persisted_entries(self) -> list[Path]:
+        return sorted(self.disk_dir().glob("*.kv"))
+
+    # ---- offload -----------------------------------------------------------------------
+    def set_store_failure(self, fail: bool) -> None:
+        self.post_json("/admin/offload", {"fail_stores": fail})
+
+    # ---- instances (memory churn) --------------------------------------------------------
+    def create_instance(self, instance_id: str, nbytes: int) -> None:
+        """Export KV memory as a shm file (the client side) and register it with the engine."""
+        name = f"{self.shm_prefix}{os.getpid()}-{instance_id}"
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            with mmap.mmap(fd, nbytes) as mapping:
+                mapping[: min(nbytes, 4096)] = b"\x01" * min(nbytes, 4096)
+        finally:
+            os.close(fd)
+        self.exports[instance_id] = (name, nbytes)
+        self.post_json("/instances", {"instance_id": instance_id, "shm_name": name, "nbytes": nbytes})
+
+    def load_instance(self, instance_id: str, tokens: list[int]) -> None:
+        self.post_json(f"/instances/{instance_id}/load", {"prompt": tokens})
+
+    def release_instance(self, instance_id: str, path: str) -> dict[str, Any]:
+        if path != "unregister":
+            raise NotImplementedError(f"reference engine has no release path {path!r}")
+        resp = self.http.delete(self.url(f"/instances/{instance_id}"), timeout=30)
+        name, _size = self.exports.pop(instance_id, (None, 0))
+        if name:
+            (SHM_DIR / name).unlink(missing_ok=True)  # the exporter frees its side
+        if resp.status_code not in (200, 404):
+            raise EngineError(self.name, f"unregister {instance_id}: HTTP {resp.status_code}")
+        return {"released": resp.status_code == 200, "status": resp.status_code}
+
+    # ---- transfer -------------------------------------------------------------------------
+    def ensure_decode_instance(self) -> str:
+        if self.decode is None or not self.decode.process.alive():
+            self.decode, url = self._launch("reference-decode", self.config or EngineConfig(), events=False)
+            self._decode_url = url
+        return self._decode_url
+
+    def transfer(
+        self,
+        tokens: list[int],
+        page_size: int,
+        page_bytes: int,
+        replicas: int,
+        abort_after_pages: int | None = None,
+    ) -> dict[str, Any]:
+        receiver = self.ensure_decode_instance()
+        result = self.post_json(
+            "/transfer/send",
+            {
+                "prompt": tokens,
+                "receiver": receiver,
+                "page_size": page_size,
+                "page_bytes": page_bytes,
+                "replicas": replicas,
+                "abort_after_pages": abort_after_pages,
+            },
+        )
+        received = self.http.get(f"{receiver}/transfer/received/{result['transfer_id']}", timeout=10)
+        result["bytes_received"] = received.json()["bytes"] if received.status_code == 200 else 0
+        return result
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.server.log_tail(lines) if self.server else ""
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = {}
+        if self.server:
+            logs["reference"] = self.server.log_tail(80)
+        if self.decode:
+            logs["reference-decode"] = self.decode.log_tail(80)
+        return logs

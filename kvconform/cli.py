@@ -1,0 +1,95 @@
+"""The `kvconform` command: environments, the main job, the release gate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvconform.errors import KvconformError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvconform", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    env = sub.add_parser("env", help="engine environments (one per engine, cached)")
+    env_sub = env.add_subparsers(dest="env_command", required=True)
+    build = env_sub.add_parser("build", help="build (or reuse) an engine environment")
+    build.add_argument("names", nargs="+", metavar="ENGINE")
+    build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.add_argument("--prune", action="store_true", help="remove stale builds of these specs")
+    path = env_sub.add_parser("path", help="print a built environment's directory")
+    path.add_argument("name", metavar="ENGINE")
+    env_sub.add_parser("list", help="list specs and whether each is built")
+
+    sub.add_parser("faults", help="list the reference engine's faults and the checks that kill them")
+
+    run = sub.add_parser("run", help="the main job: suites against an engine, with an Allure report")
+    run.add_argument("--engine", action="append", default=[], help="engine (default: reference)")
+    run.add_argument("--results-dir", default="results")
+    run.add_argument("--report-dir", default="report")
+    run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
+
+    gate = sub.add_parser("gate", help="compare a candidate's results with a baseline's")
+    gate.add_argument("baseline")
+    gate.add_argument("candidate")
+    gate.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+
+    report = sub.add_parser("report", help="turn Allure results into an HTML report")
+    report.add_argument("allure_results")
+    report.add_argument("--out", default="report")
+
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KvconformError as exc:
+        print(f"kvconform: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "env":
+        from kvconform import envs
+
+        if args.env_command == "build":
+            for name in args.names:
+                envs.build(name, force=args.force)
+                if args.prune:
+                    envs.prune(name)
+        elif args.env_command == "path":
+            print(envs.find(args.name).spec.directory)
+        else:
+            for name in envs.known_specs():
+                spec = envs.load_spec(name)
+                state = "built" if (spec.directory / envs.MARKER).exists() else "not built"
+                print(f"{name:20s} {state:10s} {spec.directory}")
+        return 0
+    if args.command == "faults":
+        from engines.reference.faults import FAULTS
+
+        for name, fault in FAULTS.items():
+            print(f"{name:28s} killed by {', '.join(fault.killed_by)}\n{'':28s} {fault.description}")
+        return 0
+    if args.command == "run":
+        from kvconform.mainjob import run_main_job
+
+        return run_main_job(
+            args.engine or ["reference"],
+            args.results_dir,
+            args.report_dir,
+            [a for a in args.pytest_args if a != "--"],
+        )
+    if args.command == "gate":
+        from kvconform.gate import run_gate
+
+        return run_gate(args.baseline, args.candidate, markdown=args.markdown)
+    if args.command == "report":
+        from kvconform.allure_html import generate
+
+        print(generate(args.allure_results, args.out))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""KV event capture -> one ledger (stored / removed / cleared with sequence numbers) + checker.
+
+Every engine that emits KV events feeds the same ledger, in one plain form. The checker
+rebuilds the resident block set from the history alone (Jepsen's discipline: record, then
+judge with an independent model) and reports:
+  - remove_unknown: a block removed that was never stored (or stored only before a clear);
+  - double_remove: a block removed again after its removal, with no store in between;
+  - seq_gap: sequence numbers the engine skipped (transport losses are filled by replay
+    before judging, where the engine offers one, so a gap is the engine's own);
+  - seq_regress: a sequence number repeated or going backwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    seq: int  # the engine's sequence number (per batch where the engine batches events)
+    kind: Kind
+    block_hashes: tuple[str, ...] = ()
+    parent_hash: str | None = None
+    medium: str = "device"
+    token_count: int = 0
+    sub: int = 0  # position inside the engine's batch
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "kind": self.kind,
+            "blocks": list(self.block_hashes),
+            "parent": self.parent_hash,
+            "medium": self.medium,
+        }
+
+
+@dataclass
+class Violation:
+    kind: str
+    seq: int
+    block: str | None = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        where = f" block {self.block}" if self.block else ""
+        return f"{self.kind} at seq {self.seq}{where}{': ' + self.detail if self.detail else ''}"
+
+
+@dataclass
+class LedgerVerdict:
+    events: int
+    stored: int
+    removed: int
+    cleared: int
+    resident: dict[str, set[str]]
+    violations: list[Violation] = field(default_factory=list)
+    restored_resident: int = 0  # store of a block already resident (counted, not a violation)
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(v.kind for v in self.violations))
+
+    def resident_count(self, medium: str | None = None) -> int:
+        if medium is not None:
+            return len(self.resident.get(medium, set()))
+        return sum(len(blocks) for blocks in self.resident.values())
+
+
+class EventLedger:
+    """Thread-safe append-only history; `judge()` is a pure function of it."""
+
+    def __init__(self) -> None:
+        self._events: list[KvEvent] = []
+        self._lock = threading.Lock()
+
+    def extend(self, events: Iterable[KvEvent]) -> None:
+        with self._lock:
+            self._events.extend(events)
+
+    def events(self) -> list[KvEvent]:
+        with self._lock:
+            return list(self._events)
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    def since(self, mark: int) -> list[KvEvent]:
+        with self._lock:
+            return list(self._events[mark:])
+
+    def judge(self) -> LedgerVerdict:
+        return judge(self.events())
+
+
+def judge(history: list[KvEvent]) -> LedgerVerdict:
+    ordered = sorted(history, key=lambda e: (e.seq, e.sub))
+    resident: dict[str, set[str]] = {}
+    removed_since_store: dict[str, set[str]] = {}
+    violations: list[Violation] = []
+    stored = removed = cleared = restored = 0
+    previous: tuple[int, int] | None = None
+    for event in ordered:
+        if previous is not None:
+            if (event.seq, event.sub) == previous:
+                violations.append(Violation("seq_regress", event.seq, detail="sequence number repeated"))
+            elif event.seq > previous[0] + 1:
+                missing = event.seq - previous[0] - 1
+                violations.append(
+                    Violation("seq_gap", event.seq, detail=f"{previous[0]} -> {event.seq}: {missing} missing")
+                )
+        previous = (event.seq, event.sub)
+        live = resident.setdefault(event.medium, set())
+        gone = removed_since_store.setdefault(event.medium, set())
+        if event.kind == "stored":
+            for block in event.block_hashes:
+                stored += 1
+                if block in live:
+                    restored += 1
+                live.add(block)
+                gone.discard(block)
+        elif event.kind == "removed":
+            for block in event.block_hashes:
+                removed += 1
+                if block in live:
+                    live.discard(block)
+                    gone.add(block)
+                elif block in gone:
+                    violations.append(Violation("double_remove", event.seq, block, f"medium {event.medium}"))
+                else:
+                    violations.append(Violation("remove_unknown", event.seq, block, f"medium {event.medium}"))
+        else:
+            cleared += 1
+            live.clear()
+            gone.clear()
+    return LedgerVerdict(len(ordered), stored, removed, cleared, resident, violations, restored)
+
+
+def hash_text(value: Any) -> str:
+    """One printable form for block hashes, whatever type the engine uses (int, bytes, str)."""
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)

@@ -1,0 +1,190 @@
+"""Memory probes of an engine's own processes: NVML on GPUs, RSS/PSS and /dev/shm on hosts.
+
+Device-wide GPU numbers include other tenants, so GPU memory is attributed per process
+(nvmlDeviceGetComputeRunningProcesses) to the engine's process tree; device used is kept as
+context. Without a GPU, NVML samples are *unavailable with a reason*, never zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass
+class GpuSample:
+    device_used: int
+    device_total: int
+    process_used: int  # bytes held by the engine's processes, summed over devices
+    devices: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MemorySample:
+    t: float
+    rss: int
+    pss: int
+    uss: int
+    shm_bytes: int  # size of /dev/shm files the tree maps or holds open
+    shm_files: int
+    processes: int
+    gpu: GpuSample | None = None
+    gpu_unavailable: str | None = None
+
+    def get(self, measure: str) -> int:
+        if measure.startswith("gpu_"):
+            if self.gpu is None:
+                raise LookupError(f"no GPU sample: {self.gpu_unavailable}")
+            return int(getattr(self.gpu, measure[4:]))
+        return int(getattr(self, measure))
+
+
+class NvmlProbe:
+    """nvidia-ml-py, initialised once; `reason` says why it is unavailable."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._handles: list[object] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self._nvml = pynvml
+            if not self._handles:
+                self.reason = "NVML initialised but reports 0 GPUs"
+        except Exception as exc:
+            self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}".strip()
+
+    @property
+    def available(self) -> bool:
+        return self.reason is None
+
+    def describe(self) -> str:
+        if not self.available:
+            return "host"
+        nv = self._nvml
+        names = [_text(nv.nvmlDeviceGetName(h)) for h in self._handles]
+        driver = _text(nv.nvmlSystemGetDriverVersion())
+        return f"{', '.join(names)} (driver {driver})"
+
+    def sample(self, pids: Iterable[int]) -> GpuSample:
+        nv = self._nvml
+        wanted = set(pids)
+        used = total = by_process = 0
+        for handle in self._handles:
+            info = nv.nvmlDeviceGetMemoryInfo(handle)
+            used += int(info.used)
+            total += int(info.total)
+            for proc in nv.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in wanted and proc.usedGpuMemory is not None:
+                    by_process += int(proc.usedGpuMemory)
+        return GpuSample(used, total, by_process, [str(h) for h in self._handles])
+
+
+_NVML: NvmlProbe | None = None
+
+
+def nvml() -> NvmlProbe:
+    global _NVML
+    if _NVML is None:
+        _NVML = NvmlProbe()
+    return _NVML
+
+
+def shm_held_by(pids: Iterable[int]) -> dict[str, int]:
+    """/dev/shm files mapped or held open by these processes, with their sizes."""
+    held: dict[str, int] = {}
+    for pid in pids:
+        names: set[str] = set()
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                idx = line.find("/dev/shm/")
+                if idx >= 0:
+                    names.add(line[idx + 9 :].split(" (deleted)")[0].strip())
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd.path)
+                    if target.startswith("/dev/shm/"):
+                        names.add(target[9:].split(" (deleted)")[0])
+        for name in names:
+            with contextlib.suppress(OSError):
+                held[name] = (SHM_DIR / name).stat().st_size
+    return held
+
+
+def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample:
+    pids = list(pids)
+    rss = pss = uss = alive = 0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if with_pss:
+                full = proc.memory_full_info()
+                rss += full.rss
+                pss += getattr(full, "pss", 0)
+                uss += full.uss
+            else:
+                rss += proc.memory_info().rss
+            alive += 1
+        except psutil.Error:
+            continue
+    shm = shm_held_by(pids)
+    probe = nvml()
+    sample = MemorySample(
+        t=time.time(),
+        rss=rss,
+        pss=pss,
+        uss=uss,
+        shm_bytes=sum(shm.values()),
+        shm_files=len(shm),
+        processes=alive,
+    )
+    if probe.available:
+        sample.gpu = probe.sample(pids)
+    else:
+        sample.gpu_unavailable = probe.reason
+    return sample
+
+
+class Sampler:
+    """Samples a changing process set in a background thread, continuously."""
+
+    def __init__(self, pids: Callable[[], list[int]], interval_s: float = 0.25) -> None:
+        self._pids = pids
+        self.interval_s = interval_s
+        self.series: list[MemorySample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.errors: list[str] = []
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.series.append(sample_processes(self._pids(), with_pss=False))
+            except Exception as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self.interval_s)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

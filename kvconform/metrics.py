@@ -1,0 +1,96 @@
+"""Metric snapshots: Prometheus text through prometheus_client's parser, and JSON stats.
+
+Counters are compared as deltas between two snapshots taken by the suite, so numbers left
+over from earlier requests (or earlier tests on the same server) never leak into a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvconform.errors import EngineError
+
+LabelSet = frozenset[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass
+class MetricSnapshot:
+    """All samples of one scrape, by sample name (counters keep their `_total` suffix)."""
+
+    taken_at: float
+    samples: dict[str, dict[LabelSet, float]] = field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        return sorted(self.samples)
+
+    def has(self, name: str) -> bool:
+        return name in self.samples
+
+    def series(self, name: str) -> list[Sample]:
+        return [Sample(name, dict(k), v) for k, v in self.samples.get(name, {}).items()]
+
+    def value(self, name: str, default: float | None = None, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        rows = self.samples.get(name)
+        if rows is None:
+            if default is not None:
+                return default
+            raise KeyError(f"metric {name!r} not exported (have {len(self.samples)} others)")
+        wanted = set(labels.items())
+        return sum(v for k, v in rows.items() if wanted <= k)
+
+    def delta(self, before: MetricSnapshot, name: str, **labels: str) -> float:
+        return self.value(name, 0.0, **labels) - before.value(name, 0.0, **labels)
+
+    def labels_of(self, name: str) -> list[dict[str, str]]:
+        return [dict(k) for k in self.samples.get(name, {})]
+
+    def as_dict(self, prefixes: Iterable[str] = ()) -> dict[str, float]:
+        prefixes = tuple(prefixes)
+        out = {}
+        for name, rows in sorted(self.samples.items()):
+            if prefixes and not name.startswith(prefixes):
+                continue
+            for labels, value in rows.items():
+                label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels))
+                out[f"{name}{{{label_text}}}" if label_text else name] = value
+        return out
+
+
+def parse_prometheus(text: str, engine: str = "?", source: str = "/metrics") -> MetricSnapshot:
+    snapshot = MetricSnapshot(taken_at=time.time())
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                rows = snapshot.samples.setdefault(sample.name, {})
+                rows[frozenset(sample.labels.items())] = float(sample.value)
+    except Exception as exc:  # the parser raises ValueError/TypeError/IndexError on garbage
+        first = text.strip().splitlines()[:3]
+        raise EngineError(
+            engine, f"{source} is not Prometheus text ({type(exc).__name__}: {exc}); starts with {first}"
+        ) from None
+    if text.strip() and not snapshot.samples:
+        raise EngineError(engine, f"{source} has no samples; starts with {text.strip()[:120]!r}")
+    return snapshot
+
+
+def snapshot_from_values(values: Mapping[str, float]) -> MetricSnapshot:
+    """A snapshot from plain name -> value pairs (JSON stats of engines without Prometheus)."""
+    snapshot = MetricSnapshot(taken_at=time.time())
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            continue
+        snapshot.samples[name] = {frozenset(): float(value)}
+    return snapshot

@@ -1,0 +1,313 @@
+"""Process ownership: every engine process runs in its own process group on 127.0.0.1.
+
+Teardown signals the whole group, then verifies that no process of the tree and no /dev/shm
+file the tree held is left; leftovers are killed/removed and reported, never ignored. vLLM's
+API server, killed alone, orphans EngineCore and Worker processes (ENGINES.md), so signalling
+one pid is never enough.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import fcntl
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from kvconform.errors import EngineStartError
+from kvconform.memory import shm_held_by
+
+SHM_DIR = Path("/dev/shm")
+_LIVE: set[EngineProcess] = set()
+_LIVE_LOCK = threading.Lock()
+_PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "kvconform-ports"
+_held_port_locks: dict[int, int] = {}
+
+
+def free_port() -> int:
+    """A loopback port nobody else in this machine's kvconform runs has reserved.
+
+    Ports come from a range chosen per pytest-xdist worker and are reserved with a lock file
+    held for the life of this process, so parallel workers and parallel sessions never race
+    for the same port between "found free" and "engine bound it".
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 20000 + (index % 16) * 2000
+    _PORT_LOCK_DIR.mkdir(exist_ok=True)
+    for _ in range(500):
+        port = random.randint(low, low + 1999)
+        if port in _held_port_locks:
+            continue
+        fd = os.open(_PORT_LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                os.close(fd)
+                continue
+        _held_port_locks[port] = fd
+        return port
+    raise RuntimeError("no free loopback port found in 500 tries")
+
+
+def _set_parent_death_signal() -> None:
+    # If the suite process dies without teardown (SIGKILL, OOM), the engine's top process
+    # gets SIGTERM instead of living on as an orphan.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class TeardownReport:
+    """What teardown found. Leftovers were cleaned up; they are reported because they are
+    the engine's fault (a leak), not because they are still there."""
+
+    name: str
+    exit_code: int | None
+    seconds: float
+    forced_kill: bool
+    leftover_processes: list[str] = field(default_factory=list)
+    leftover_shm: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not self.leftover_processes and not self.leftover_shm
+
+    def describe(self) -> str:
+        parts = [f"{self.name}: exit {self.exit_code} after {self.seconds:.1f}s"]
+        if self.forced_kill:
+            parts.append("needed SIGKILL")
+        if self.leftover_processes:
+            parts.append(f"left processes {self.leftover_processes}")
+        if self.leftover_shm:
+            parts.append(f"left /dev/shm files {self.leftover_shm}")
+        return "; ".join(parts)
+
+
+class EngineProcess:
+    """One launched command: its own session and process group, output to a log file."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        stdin_pipe: bool = False,
+        stdout_pipe: bool = False,
+        shm_patterns: Iterable[str] = (),
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.shm_patterns = tuple(shm_patterns)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        full_env = {**os.environ, **(env or {})}
+        self.started_at = time.time()
+        self._shm_before = _shm_listing(self.shm_patterns)
+        self.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout_pipe else self._log,
+            stderr=self._log,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_set_parent_death_signal,
+        )
+        self.pgid = self.popen.pid
+        self._known: dict[int, float] = {}
+        self._held_shm: set[str] = set()
+        self.teardown_report: TeardownReport | None = None
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self.refresh_tree()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            self._log.flush()
+            data = self.log_path.read_bytes()[-64_000:]
+        except OSError:
+            return ""
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+    def refresh_tree(self) -> list[psutil.Process]:
+        """Every live process of this engine: the group, plus descendants that left it."""
+        procs: dict[int, psutil.Process] = {}
+        for proc in _group_members(self.pgid):
+            procs[proc.pid] = proc
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.pid)
+            procs[root.pid] = root
+            for child in root.children(recursive=True):
+                procs[child.pid] = child
+        for proc in procs.values():
+            with contextlib.suppress(psutil.Error):
+                self._known.setdefault(proc.pid, proc.create_time())
+        self._held_shm |= set(shm_held_by(procs))
+        return list(procs.values())
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.refresh_tree()]
+
+    def held_shm(self) -> set[str]:
+        return set(self._held_shm)
+
+    def stop(self, grace_s: float = 20.0, sig: int = signal.SIGTERM) -> TeardownReport:
+        if self.teardown_report is not None:
+            return self.teardown_report
+        self.refresh_tree()
+        t0 = time.monotonic()
+        forced = False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, sig)
+        if not self._wait_gone(grace_s):
+            forced = True
+            self._kill_all()
+            self._wait_gone(5.0)
+        exit_code = self.popen.poll()
+        report = TeardownReport(self.name, exit_code, time.monotonic() - t0, forced)
+        report.leftover_processes = [f"{p.pid}:{_safe_name(p)}" for p in self._survivors()]
+        if report.leftover_processes:
+            self._kill_all()
+            self._wait_gone(5.0)
+        report.leftover_shm = self._leftover_shm()
+        for name in report.leftover_shm:
+            with contextlib.suppress(OSError):
+                (SHM_DIR / name).unlink()
+        self._log.close()
+        self.teardown_report = report
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        return report
+
+    def kill_hard(self) -> None:
+        """SIGKILL the top process only, the way an OOM killer or a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def _survivors(self) -> list[psutil.Process]:
+        alive = []
+        for pid, created in self._known.items():
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - created) < 0.01 and proc.status() != "zombie":
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        alive.extend(p for p in _group_members(self.pgid) if p.pid not in self._known)
+        return alive
+
+    def _wait_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=0.1)
+            if self.popen.poll() is not None and not self._survivors():
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _kill_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGKILL)
+        for proc in self._survivors():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+    def _leftover_shm(self) -> dict[str, int]:
+        candidates = set(self._held_shm)
+        candidates |= set(_shm_listing(self.shm_patterns)) - set(self._shm_before)
+        left = {}
+        for name in sorted(candidates):
+            with contextlib.suppress(OSError):
+                left[name] = (SHM_DIR / name).stat().st_size
+        return left
+
+
+def wait_until_ready(
+    process: EngineProcess,
+    engine: str,
+    probe: Callable[[], bool],
+    timeout_s: float,
+    what: str = "health",
+) -> float:
+    """Poll probe() until it returns True; fail fast if the process dies, with its log tail."""
+    t0 = time.monotonic()
+    while True:
+        if not process.alive():
+            code = process.popen.poll()
+            raise EngineStartError(
+                engine, f"{process.name} exited with code {code} before {what}", process.log_tail()
+            )
+        with contextlib.suppress(Exception):
+            if probe():
+                return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            process.stop(grace_s=5)
+            raise EngineStartError(
+                engine, f"{process.name} not ready ({what}) after {timeout_s:.0f}s", process.log_tail()
+            )
+        time.sleep(0.25)
+
+
+def stop_all_live() -> list[TeardownReport]:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    return [proc.stop(grace_s=5) for proc in live]
+
+
+atexit.register(stop_all_live)
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(proc.pid) == pgid and proc.status() != "zombie":
+                members.append(proc)
+    return members
+
+
+def _shm_listing(patterns: tuple[str, ...]) -> dict[str, int]:
+    listing = {}
+    for pattern in patterns:
+        for path in SHM_DIR.glob(pattern):
+            with contextlib.suppress(OSError):
+                listing[path.name] = path.stat().st_size
+    return listing
+
+
+def _safe_name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return "?"

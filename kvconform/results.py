@@ -1,0 +1,194 @@
+"""Results per check, with numbers: what the report, the gate and the matrix read.
+
+A check records measurements through a `Verdict`; each expectation compares an observed
+number with a bound computed independently of the engine. `conclude()` fails the check with
+every broken expectation and its numbers, so the message alone is enough to act on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Better = Literal["higher", "lower", "exact"] | None
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "==": operator.eq,
+    "<=": operator.le,
+    ">=": operator.ge,
+    "<": operator.lt,
+    ">": operator.gt,
+}
+
+
+@dataclass
+class Measure:
+    name: str
+    value: float | int | str | None
+    unit: str = ""
+    op: str | None = None
+    bound: float | int | str | None = None
+    ok: bool | None = None
+    better: Better = None  # for the gate: which direction is a regression
+    tolerance: float = 0.0  # for the gate: change within this is noise
+    note: str = ""
+
+    def describe(self) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        if self.op is None:
+            return f"{self.name} = {_fmt(self.value)}{unit}"
+        mark = "ok" if self.ok else "VIOLATED"
+        text = f"{self.name} = {_fmt(self.value)}{unit}, expected {self.op} {_fmt(self.bound)}{unit} [{mark}]"
+        return f"{text} ({self.note})" if self.note else text
+
+
+class Verdict:
+    """Collects one check's measurements and expectations."""
+
+    def __init__(self, check: str, engine: str) -> None:
+        self.check = check
+        self.engine = engine
+        self.measures: list[Measure] = []
+        self.series: dict[str, list[tuple[float, float]]] = {}
+        self.concluded = False
+
+    def record(
+        self,
+        name: str,
+        value: Any,
+        unit: str = "",
+        better: Better = None,
+        tolerance: float = 0.0,
+        note: str = "",
+    ) -> Any:
+        self.measures.append(
+            Measure(name, _plain(value), unit, better=better, tolerance=tolerance, note=note)
+        )
+        return value
+
+    def expect(
+        self,
+        name: str,
+        observed: float,
+        op: str,
+        bound: float,
+        unit: str = "",
+        better: Better = None,
+        tolerance: float = 0.0,
+        abs_tol: float = 0.0,
+        note: str = "",
+    ) -> bool:
+        if op not in _OPS:
+            raise ValueError(f"unknown comparison {op!r}")
+        if op == "==" and abs_tol:
+            ok = abs(observed - bound) <= abs_tol
+        elif op in ("<=", "<") and abs_tol:
+            ok = _OPS[op](observed, bound + abs_tol)
+        elif op in (">=", ">") and abs_tol:
+            ok = _OPS[op](observed, bound - abs_tol)
+        else:
+            ok = bool(_OPS[op](observed, bound))
+        if isinstance(observed, float) and math.isnan(observed):
+            ok = False
+        self.measures.append(
+            Measure(name, _plain(observed), unit, op, _plain(bound), ok, better, tolerance, note)
+        )
+        return ok
+
+    def equal(self, name: str, observed: float, expected: float, unit: str = "", **kw: Any) -> bool:
+        return self.expect(name, observed, "==", expected, unit, better=kw.pop("better", "exact"), **kw)
+
+    def add_series(self, name: str, points: list[tuple[float, float]]) -> None:
+        self.series[name] = points
+
+    @property
+    def failures(self) -> list[Measure]:
+        return [m for m in self.measures if m.ok is False]
+
+    def summary(self) -> str:
+        return "\n".join(m.describe() for m in self.measures)
+
+    def conclude(self, context: str = "") -> None:
+        """Fail with every violated expectation; pass only if at least one was checked."""
+        self.concluded = True
+        if not any(m.op is not None for m in self.measures):
+            raise AssertionError(f"{self.check}: no expectation was checked (a check must be able to fail)")
+        if self.failures:
+            head = f"[{self.engine}] {self.check}: " + "; ".join(m.describe() for m in self.failures)
+            body = "\nall measurements:\n" + self.summary()
+            raise AssertionError(head + (f"\n{context}" if context else "") + body)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"measures": [asdict(m) for m in self.measures]}
+
+
+@dataclass
+class CheckRecord:
+    check: str
+    nodeid: str
+    engine: str
+    engine_version: str
+    platform: str
+    outcome: str
+    duration_s: float
+    measures: list[dict[str, Any]] = field(default_factory=list)
+    message: str = ""
+    finding: str = ""  # known-failure manifest entry that expected this
+    written_at: float = field(default_factory=time.time)
+
+
+class RecordWriter:
+    """Appends one JSON line per check, flushed at once: a crash loses nothing written."""
+
+    def __init__(self, results_dir: Path) -> None:
+        self.results_dir = results_dir
+        results_dir.mkdir(parents=True, exist_ok=True)
+        self.path = results_dir / f"records-{os.getpid()}.jsonl"
+
+    def write(self, record: CheckRecord) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(asdict(record)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def load_records(results_dir: Path) -> list[dict[str, Any]]:
+    merged = results_dir / "results.json"
+    if merged.exists():
+        return json.loads(merged.read_text())["records"]
+    return _read_jsonl(results_dir)
+
+
+def merge(results_dir: Path, session: dict[str, Any]) -> Path:
+    records = _read_jsonl(results_dir)
+    out = results_dir / "results.json"
+    out.write_text(json.dumps({"session": session, "records": records}, indent=1))
+    return out
+
+
+def _read_jsonl(results_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(results_dir.glob("records-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+    return records
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
