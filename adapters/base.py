@@ -23,7 +23,7 @@ from kvconform import envs
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
-from kvconform.memory import MemorySample, sample_processes
+from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot, parse_prometheus
 from kvconform.processes import TeardownReport
 
@@ -41,6 +41,7 @@ class Capability(StrEnum):
     # memory
     HOST_MEMORY = "host_memory"  # the engine's own process tree is known
     INSTANCE_CHURN = "instance_churn"  # create/load/release instances repeatedly
+    INSTANCE_REGISTRY = "instance_registry"  # instances register/unregister with a live server
     LONG_SESSION = "long_session"  # multi-turn conversations on one server
     # offload
     OFFLOAD_GAUGES = "offload_gauges"  # usage / write / read gauges of an offload tier
@@ -258,6 +259,90 @@ class EngineAdapter(ABC):
 
     def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
         return self.metric(logical, after) - self.metric(logical, before)
+
+    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
+        """(tokens the router predicted cached, what the worker then reported)."""
+        raise NotImplementedError
+
+    def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+        return {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
+        """Start a streaming completion and drop the connection after a few chunks."""
+        resp = self.http.post(
+            self.url("/v1/completions"),
+            json=self.completion_body(tokens, 256, stream=True),
+            stream=True,
+            timeout=self.ctx.request_timeout_s,
+        )
+        if resp.status_code != 200:
+            raise EngineError(
+                self.name, f"streaming completion -> HTTP {resp.status_code}: {resp.text[:200]}"
+            )
+        received = 0
+        for line in resp.iter_lines():
+            if line.startswith(b"data:"):
+                received += 1
+                if received >= after_chunks:
+                    break
+        resp.close()
+        return received
+
+    def healthy(self) -> bool:
+        return wait_http_ok(self.http, self.url(self.health_path), timeout=5.0)
+
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the device KV pool the suite configured."""
+        raise NotImplementedError
+
+    def cache_capacity_tokens(self) -> int:
+        """Device prefix-cache capacity, from the configuration the suite gave the engine."""
+        raise NotImplementedError
+
+    def resident_blocks_reported(self) -> int | None:
+        """Cached blocks the engine says it holds (None: it does not say)."""
+        return None
+
+    def drain_events(self) -> int:
+        """Make sure every event emitted so far is in the ledger; fill transport gaps."""
+        return 0
+
+    # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED) ------------------------------
+    def persisted_entries(self) -> list[Path]:
+        """Files of the persistent tier, for the suite to damage."""
+        raise NotImplementedError
+
+    def persisted_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.persisted_entries())
+
+    def flush_persistent(self) -> None:
+        """Wait until what was stored has reached the persistent tier."""
+
+    # ---- offload (OFFLOAD_*) -----------------------------------------------------------
+    def set_store_failure(self, fail: bool) -> None:
+        raise NotImplementedError
+
+    def offload_block_bytes(self) -> int:
+        return self.model.block_bytes(self.block_size())
+
+    # ---- memory churn (INSTANCE_CHURN) -------------------------------------------------
+    churn_paths: ClassVar[tuple[str, ...]] = ()
+
+    def churn_cycles(self, path: str, requested: int) -> int:
+        """Cycles to run for a release path (slow paths, e.g. a 30 s reaper, may run fewer)."""
+        return requested
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        """One instance lifecycle: create, load with `tokens`, release through `path`."""
+        raise NotImplementedError
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """Memory that must come back after a release, by measure."""
+        raise NotImplementedError
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        """Release one instance, then release it again; report both answers."""
+        raise NotImplementedError
 
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:

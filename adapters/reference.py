@@ -6,7 +6,7 @@ environment: `pytest suites` works on a fresh checkout. Faults come from --fault
 
 from __future__ import annotations
 
-import mmap
+import time
 import os
 import shutil
 import sys
@@ -19,11 +19,13 @@ from adapters.base import (
     EngineAdapter,
     EngineConfig,
     LaunchedServer,
+    MemoryMeasure,
     ModelShape,
     ServedPrompt,
 )
 from engines.reference.server import VERSION
 from kvconform.errors import EngineError
+from kvconform.memory import gpu_measures, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import SHM_DIR, TeardownReport, free_port
 from kvconform.zmq_events import ZmqEventSubscriber
@@ -51,6 +53,7 @@ class ReferenceAdapter(EngineAdapter):
             C.FORCED_EVICTION,
             C.HOST_MEMORY,
             C.INSTANCE_CHURN,
+            C.INSTANCE_REGISTRY,
             C.LONG_SESSION,
             C.OFFLOAD_GAUGES,
             C.OFFLOAD_STORE_FAILURE,
@@ -197,47 +200,75 @@ class ReferenceAdapter(EngineAdapter):
     def predict_cached_tokens(self, tokens: list[int]) -> int:
         return int(self.post_json("/router/predict", {"prompt": tokens})["predicted_cached_tokens"])
 
-    def stream_and_disconnect(self, tokens: list[int], after_tokens: int) -> int:
-        """Start a streaming request and drop the connection after a few tokens."""
-        resp = self.http.post(
-            self.url("/v1/completions"),
-            json={"prompt": tokens, "max_tokens": 64, "stream": True},
-            stream=True,
-            timeout=self.ctx.request_timeout_s,
-        )
-        received = 0
-        for line in resp.iter_lines():
-            if line.startswith(b"data:"):
-                received += 1
-                if received >= after_tokens:
-                    break
-        resp.close()
-        return received
+    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
+        predicted = int(self.post_json("/router/predict", {"prompt": tokens})["predicted_cached_tokens"])
+        return predicted, self.serve_prompt(tokens)
+
+    def kv_pool_bytes(self) -> int:
+        return NUM_BLOCKS * self.model.block_bytes(self.block_size())
+
+    def cache_capacity_tokens(self) -> int:
+        return NUM_BLOCKS * self.block_size()
+
+    def resident_blocks_reported(self) -> int | None:
+        stats = self.get_json("/stats")
+        return int(stats["cached_free"])
+
+    def drain_events(self) -> int:
+        if self.subscriber is None:
+            return 0
+        time.sleep(0.3)  # events leave the engine right after each request; let them land
+        return self.subscriber.fill_gaps()
 
     # ---- persistence ---------------------------------------------------------------------
     def persisted_entries(self) -> list[Path]:
         return sorted(self.disk_dir().glob("*.kv"))
+
+    def reset_all_tiers(self) -> None:
+        self._request("POST", "/reset_prefix_cache?lower_tiers=1")
 
     # ---- offload -----------------------------------------------------------------------
     def set_store_failure(self, fail: bool) -> None:
         self.post_json("/admin/offload", {"fail_stores": fail})
 
     # ---- instances (memory churn) --------------------------------------------------------
+    INSTANCE_BYTES = 4 * 2**20
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        instance_id = f"churn-{index}"
+        self.create_instance(instance_id, self.INSTANCE_BYTES)
+        self.post_json(f"/instances/{instance_id}/load", {"prompt": tokens})
+        return self.release_instance(instance_id, path)
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        sample = sample_processes(self.engine_pids())
+        return {
+            "engine_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
+            "engine_rss_bytes": MemoryMeasure(sample.rss, exact=False),
+            **gpu_measures(sample),
+        }
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        instance_id = f"twice-{time.monotonic_ns()}"
+        self.create_instance(instance_id, self.INSTANCE_BYTES)
+        first = self.release_instance(instance_id, path)
+        second = self.http.delete(self.url(f"/instances/{instance_id}"), timeout=30)
+        return {
+            "first_released": first["released"],
+            "second_status": second.status_code,
+            "second_refused_cleanly": second.status_code == 404,
+        }
+
     def create_instance(self, instance_id: str, nbytes: int) -> None:
         """Export KV memory as a shm file (the client side) and register it with the engine."""
         name = f"{self.shm_prefix}{os.getpid()}-{instance_id}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            with mmap.mmap(fd, nbytes) as mapping:
-                mapping[: min(nbytes, 4096)] = b"\x01" * min(nbytes, 4096)
         finally:
             os.close(fd)
         self.exports[instance_id] = (name, nbytes)
         self.post_json("/instances", {"instance_id": instance_id, "shm_name": name, "nbytes": nbytes})
-
-    def load_instance(self, instance_id: str, tokens: list[int]) -> None:
-        self.post_json(f"/instances/{instance_id}/load", {"prompt": tokens})
 
     def release_instance(self, instance_id: str, path: str) -> dict[str, Any]:
         if path != "unregister":

@@ -211,6 +211,12 @@ class VllmAdapter(EngineAdapter):
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")
 
+    def kv_pool_bytes(self) -> int:
+        return KV_CACHE_BYTES
+
+    def cache_capacity_tokens(self) -> int:
+        return KV_CACHE_BYTES // self.model.block_bytes(self.block_size()) * self.block_size()
+
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server else []
 

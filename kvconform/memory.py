@@ -48,6 +48,24 @@ class MemorySample:
         return int(getattr(self, measure))
 
 
+@dataclass(frozen=True)
+class MemoryMeasure:
+    """One memory quantity that must return to baseline. Exact measures (mapped or leftover
+    bytes, process counts, per-process GPU memory) are judged against a fraction of a KV
+    block; noisy ones (RSS, PSS) against bounds above their measured noise."""
+
+    value: float
+    exact: bool
+    unit: str = "bytes"
+
+
+def gpu_measures(sample: MemorySample) -> dict[str, MemoryMeasure]:
+    """Per-process GPU memory of the engine (exact), when NVML sees a GPU; else nothing."""
+    if sample.gpu is None:
+        return {}
+    return {"gpu_engine_process_bytes": MemoryMeasure(sample.gpu.process_used, exact=True)}
+
+
 class NvmlProbe:
     """nvidia-ml-py, initialised once; `reason` says why it is unavailable."""
 
@@ -103,24 +121,31 @@ def nvml() -> NvmlProbe:
 
 
 def shm_held_by(pids: Iterable[int]) -> dict[str, int]:
-    """/dev/shm files mapped or held open by these processes, with their sizes."""
+    """/dev/shm files these processes map or hold open, with the bytes held.
+
+    Mapped bytes come from /proc/PID/maps address ranges, so a segment that was unlinked but
+    is still mapped (the classic leak: "released" KV still resident) is counted too.
+    """
     held: dict[str, int] = {}
     for pid in pids:
-        names: set[str] = set()
+        mapped: dict[str, int] = {}
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 idx = line.find("/dev/shm/")
-                if idx >= 0:
-                    names.add(line[idx + 9 :].split(" (deleted)")[0].strip())
+                if idx < 0:
+                    continue
+                name = line[idx + 9 :].rstrip("\n").removesuffix(" (deleted)")
+                start, end = line.split(" ", 1)[0].split("-")
+                mapped[name] = mapped.get(name, 0) + int(end, 16) - int(start, 16)
         with contextlib.suppress(OSError):
             for fd in os.scandir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(fd.path)
                     if target.startswith("/dev/shm/"):
-                        names.add(target[9:].split(" (deleted)")[0])
-        for name in names:
-            with contextlib.suppress(OSError):
-                held[name] = (SHM_DIR / name).stat().st_size
+                        name = target[9:].removesuffix(" (deleted)")
+                        mapped[name] = max(mapped.get(name, 0), os.stat(fd.path).st_size)
+        for name, size in mapped.items():
+            held[name] = max(held.get(name, 0), size)
     return held
 
 

@@ -369,6 +369,9 @@ def _short_message(report: pytest.TestReport) -> str:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not _is_worker(session.config):
+        results_dir = Path(session.config.getoption("--results-dir")).resolve()
+        for stale in [*results_dir.glob("records-*.jsonl"), results_dir / "results.json"]:
+            stale.unlink(missing_ok=True)  # one session's results per directory
         session.config.pluginmanager.register(_RecordCollector(session.config), "kvconform-records")
 
 

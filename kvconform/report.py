@@ -120,3 +120,33 @@ def write_allure_environment(config: pytest.Config, meta: dict[str, Any]) -> Non
         "\n".join(f"{k}={v}" for k, v in sorted(props.items())) + "\n"
     )
     (out / "categories.json").write_text(json.dumps(CATEGORIES, indent=1))
+
+
+def attach_png(name: str, png: bytes) -> None:
+    allure.attach(png, name=f"{name}.png", attachment_type=allure.attachment_type.PNG)
+
+
+def plot_sweep(curves: dict[int, list[tuple[float, float, float]]]) -> bytes:
+    """Hit ratio of the shared prefix vs shared fraction, one line per block size; the
+    oracle dashed beside each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for block, curve in sorted(curves.items()):
+        xs = [c[0] for c in curve]
+        (line,) = ax.plot(xs, [c[1] for c in curve], marker="o", label=f"block {block} measured")
+        ax.plot(xs, [c[2] for c in curve], linestyle="--", color=line.get_color(), alpha=0.6)
+    ax.set_xlabel("shared prefix fraction of the prompt")
+    ax.set_ylabel("cached tokens / shared tokens")
+    ax.set_title("Prefix hits vs block size (dashed: oracle)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

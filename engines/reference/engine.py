@@ -153,7 +153,9 @@ class ReferenceEngine:
             matchable = (len(tokens) - 1) // bs  # the last prompt token is always computed
             sources: Counter[str] = Counter()
             hashes_for_match = hashes
-            if "granularity_loss" in self.faults and not all(h in self.pool.index for h in hashes[:matchable]):
+            if "granularity_loss" in self.faults and not all(
+                h in self.pool.index for h in hashes[:matchable]
+            ):
                 hashes_for_match = []  # all-or-nothing over the prompt's full blocks
             device = self.pool.match(hashes_for_match[:matchable])
             req.blocks.extend(device)
@@ -212,8 +214,11 @@ class ReferenceEngine:
         if self.disk is not None and self.disk.contains(key):
             payload = self.disk.read(key)
             if payload is not None:
-                raw = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16)
-                if raw.numel() == self.s.block_size * self.s.width:
+                expected = self.s.block_bytes
+                if len(payload) != expected and "corrupt_hit_served" in self.faults:
+                    payload = payload[:expected].ljust(expected, b"\0")  # served padded
+                if len(payload) == expected:
+                    raw = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16)
                     return raw.view(self.s.block_size, self.s.width), "disk"
         return None, "none"
 
@@ -264,10 +269,11 @@ class ReferenceEngine:
             "output": output,
         }
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, lower_tiers: bool = False) -> bool:
+        """Reset the device prefix cache (and, if asked, the host tier), as vLLM does."""
         with self.lock:
             ok = self.pool.reset()
-            if ok and self.host is not None and "reset_keeps_prefix" not in self.faults:
+            if ok and lower_tiers and self.host is not None and "reset_keeps_prefix" not in self.faults:
                 self.host.reset()
             self._flush_events()
             return ok

@@ -54,11 +54,13 @@ class InstanceRegistry:
             self.registered_total += 1
 
     def write(self, instance_id: str, payload: bytes) -> int:
+        """Copy KV into the instance's memory, repeating it to fill the region."""
         with self.lock:
             imported = self.instances[instance_id]
-            n = min(len(payload), imported.nbytes)
-            imported.mapping[:n] = payload[:n]
-            return n
+            for offset in range(0, imported.nbytes, len(payload)):
+                n = min(len(payload), imported.nbytes - offset)
+                imported.mapping[offset : offset + n] = payload[:n]
+            return imported.nbytes
 
     def unregister(self, instance_id: str) -> bool:
         """Release one instance; False (harmless) if it is not registered."""

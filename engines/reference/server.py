@@ -225,7 +225,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _reset(self, _body: dict[str, Any]) -> None:
-        ok = self.engine.reset_prefix_cache()
+        ok = self.engine.reset_prefix_cache(lower_tiers="lower_tiers=1" in self.path)
         self._send(200 if ok else 409, {"reset": ok})
 
     def _router_predict(self, body: dict[str, Any]) -> None:
@@ -246,8 +246,8 @@ class Handler(BaseHTTPRequestHandler):
         instance_id = self.path.split("/")[2]
         result = self.engine.complete(body["prompt"], 1)
         with self.engine.lock:
-            payload = self.engine.pool.kv[:8].float().cpu().numpy().tobytes()
-        written = self.engine.instances.write(instance_id, payload * 64)
+            payload = self.engine.pool.kv[:8].view(torch.uint8).cpu().numpy().tobytes()
+        written = self.engine.instances.write(instance_id, payload)
         self._send(200, {"written": written, "cached": result["cached"]})
 
     def _collect(self, _body: dict[str, Any]) -> None:
