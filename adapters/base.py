@@ -317,6 +317,7 @@ class EngineAdapter(ABC):
 
     def flush_persistent(self) -> None:
         """Wait until what was stored has reached the persistent tier."""
+        return None
 
     # ---- offload (OFFLOAD_*) -----------------------------------------------------------
     def set_store_failure(self, fail: bool) -> None:

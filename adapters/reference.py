@@ -6,10 +6,10 @@ environment: `pytest suites` works on a fresh checkout. Faults come from --fault
 
 from __future__ import annotations
 
-import time
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
