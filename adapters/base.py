@@ -25,6 +25,7 @@ from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
 from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot, parse_prometheus
+from kvconform.oracles import KvLayout
 from kvconform.processes import TeardownReport
 
 
@@ -71,6 +72,8 @@ class ModelShape:
     head_dim: int = 64
     dtype_bytes: int = 2  # bfloat16
     mla: bool = False  # MLA keeps one latent vector per token instead of K and V
+    latent_dim: int = 576  # MLA: kv_lora_rank 512 + rope dim 64 (DeepSeek-V2/V3 shapes)
+    state_item_bytes: int = 4096  # per layer, for layouts with a per-request state
 
     def kv_bytes_per_token(self) -> int:
         per_layer = self.kv_heads * self.head_dim * self.dtype_bytes
@@ -78,6 +81,14 @@ class ModelShape:
 
     def block_bytes(self, block_size: int) -> int:
         return self.kv_bytes_per_token() * block_size
+
+    def page_bytes(self, layout: KvLayout, page_size: int) -> int:
+        return layout.page_bytes(
+            self.layers, self.kv_heads, self.head_dim, self.dtype_bytes, self.latent_dim, page_size
+        )
+
+    def state_bytes(self, layout: KvLayout) -> int:
+        return layout.state_bytes(self.layers, self.state_item_bytes)
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,16 @@ class ServedPrompt:
     cached_tokens: int
     output: list[int] = field(default_factory=list)
     source: dict[str, int] = field(default_factory=dict)  # cached tokens by tier, if known
+
+
+@dataclass
+class TransferResult:
+    kv_indices: list[int]
+    page_indices: list[int]
+    bytes_sent: int  # what the sender counted
+    bytes_received: int | None = None  # what the receiver counted (None: no receiver)
+    state_indices: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,9 +273,14 @@ class EngineAdapter(ABC):
         raise NotImplementedError
 
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        name = self.metric_names.get(logical)
-        if name is None:
+        """A logical metric, through this engine's name for it ('name{label=value,...}')."""
+        spec = self.metric_names.get(logical)
+        if spec is None:
             raise NotImplementedError(f"engine {self.name} maps no metric for {logical!r}")
+        name, _, label_text = spec.partition("{")
+        for pair in filter(None, label_text.rstrip("}").split(",")):
+            key, _, value = pair.partition("=")
+            labels.setdefault(key.strip(), value.strip().strip('"'))
         return snapshot.value(name, **labels)
 
     def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
@@ -323,8 +349,44 @@ class EngineAdapter(ABC):
     def set_store_failure(self, fail: bool) -> None:
         raise NotImplementedError
 
+    def wait_offload_idle(self, timeout_s: float = 15.0, quiet_s: float = 1.0) -> None:
+        """Wait until offload stores stop moving (the store byte counter is still for
+        `quiet_s`); never waits on the gauges themselves, which are under test."""
+        deadline = time.monotonic() + timeout_s
+        last, still_since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            value = self.metric("offload_store_bytes", self.metrics())
+            if value != last:
+                last, still_since = value, time.monotonic()
+            elif time.monotonic() - still_since >= quiet_s:
+                return
+            time.sleep(0.1)
+
+    def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        return self.metric_delta("offload_failed_stores", before, after)
+
     def offload_block_bytes(self) -> int:
         return self.model.block_bytes(self.block_size())
+
+    # ---- transfer (TRANSFER_ACCOUNTING, PAGE_INDEX, RELEASE_GUARD) ---------------------
+    transfer_layouts: ClassVar[tuple[str, ...]] = ()
+    transfer_page_sizes: ClassVar[tuple[int, ...]] = ()
+
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        """Prefill `tokens` and transfer their KV to `destinations` decode ranks."""
+        raise NotImplementedError
+
+    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+        """Release one request's KV twice through the engine's own release path. Returns
+        {"second_refused": bool, "free_delta_on_second": int, "detail": str}."""
+        raise NotImplementedError
 
     # ---- memory churn (INSTANCE_CHURN) -------------------------------------------------
     churn_paths: ClassVar[tuple[str, ...]] = ()

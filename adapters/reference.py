@@ -22,9 +22,11 @@ from adapters.base import (
     MemoryMeasure,
     ModelShape,
     ServedPrompt,
+    TransferResult,
 )
 from engines.reference.server import VERSION
 from kvconform.errors import EngineError
+from kvconform.events import EventLedger
 from kvconform.memory import gpu_measures, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import SHM_DIR, TeardownReport, free_port
@@ -63,13 +65,14 @@ class ReferenceAdapter(EngineAdapter):
             C.ABORT_REQUESTS,
             C.TRANSFER_ACCOUNTING,
             C.PAGE_INDEX,
+            C.RELEASE_GUARD,
             C.ROUTER_PREDICTION,
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "kvref_prefix_queries_total",
         "prefix_hits": "kvref_prefix_hits_total",
-        "cached_by_source": "kvref_prompt_tokens_cached_by_source_total",
+        "cached_by_source_host": "kvref_prompt_tokens_cached_by_source_total{source=host}",
         "kv_usage": "kvref_kv_usage_perc",
         "blocks_total": "kvref_blocks_total",
         "offload_usage": "kvref_offload_usage_perc",
@@ -126,6 +129,7 @@ class ReferenceAdapter(EngineAdapter):
             argv += ["--disk-dir", str(self.disk_dir())]
         if events:
             events_port, replay_port = free_port(), free_port()
+            self.ledger = EventLedger()  # one ledger per engine instance: seq restarts at 0
             self.subscriber = ZmqEventSubscriber(
                 self.ledger,
                 f"tcp://127.0.0.1:{events_port}",
@@ -288,14 +292,17 @@ class ReferenceAdapter(EngineAdapter):
             self._decode_url = url
         return self._decode_url
 
+    transfer_layouts: ClassVar[tuple[str, ...]] = ("mha", "mla", "mla_state")
+    transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16)
+
     def transfer(
         self,
         tokens: list[int],
+        layout: str,
         page_size: int,
-        page_bytes: int,
-        replicas: int,
+        destinations: int,
         abort_after_pages: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> TransferResult:
         receiver = self.ensure_decode_instance()
         result = self.post_json(
             "/transfer/send",
@@ -303,14 +310,23 @@ class ReferenceAdapter(EngineAdapter):
                 "prompt": tokens,
                 "receiver": receiver,
                 "page_size": page_size,
-                "page_bytes": page_bytes,
-                "replicas": replicas,
+                "layout": layout,
+                "destinations": destinations,
                 "abort_after_pages": abort_after_pages,
             },
         )
         received = self.http.get(f"{receiver}/transfer/received/{result['transfer_id']}", timeout=10)
-        result["bytes_received"] = received.json()["bytes"] if received.status_code == 200 else 0
-        return result
+        return TransferResult(
+            kv_indices=result["kv_indices"],
+            page_indices=result["page_indices"],
+            bytes_sent=result["bytes_counted"],
+            bytes_received=received.json()["bytes"] if received.status_code == 200 else 0,
+            state_indices=result["state_indices"],
+            detail={"aborted": result["aborted"]},
+        )
+
+    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+        return self.post_json("/admin/release_twice", {"prompt": tokens})
 
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""

@@ -18,6 +18,7 @@ from adapters.base import (
 )
 from kvconform.drivers import DRIVERS_DIR
 from kvconform.errors import EngineError
+from kvconform.events import EventLedger
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
 from kvconform.zmq_events import ZmqEventSubscriber
@@ -134,6 +135,7 @@ class VllmAdapter(EngineAdapter):
         if config.offload or config.persistent:
             raise NotImplementedError("vLLM offload/persistent configs are not wired yet")
         port, events_port, replay_port = free_port(), free_port(), free_port()
+        self.ledger = EventLedger()  # one ledger per engine instance: seq restarts at 0
         self.subscriber = ZmqEventSubscriber(
             self.ledger,
             f"tcp://127.0.0.1:{events_port}",

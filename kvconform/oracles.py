@@ -49,3 +49,37 @@ def theil_sen(values: Sequence[float]) -> Trend:
     return Trend(
         float(result.slope), float(result.low_slope), float(result.high_slope), float(result.intercept)
     )
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """How one token's KV is laid out, for transfer accounting.
+
+    mha: K and V per layer, kv_heads x head_dim each; every destination gets its own heads,
+         so fan-out does not multiply bytes.
+    mla: one latent vector per layer (kv_lora_rank + rope dim), replicated to every
+         destination rank that needs it, so bytes scale with the fan-out.
+    mla_state: mla plus a per-request state buffer (e.g. a recurrent state) per layer,
+         replicated like the latent KV.
+    """
+
+    name: str
+
+    def page_bytes(
+        self, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, latent_dim: int, page_size: int
+    ) -> int:
+        if self.name == "mha":
+            return layers * 2 * kv_heads * head_dim * dtype_bytes * page_size
+        return layers * latent_dim * dtype_bytes * page_size
+
+    def state_bytes(self, layers: int, state_item_bytes: int) -> int:
+        return layers * state_item_bytes if self.name == "mla_state" else 0
+
+    def replica_factor(self, destinations: int) -> int:
+        return destinations if self.name.startswith("mla") else 1
+
+
+def transfer_bytes(
+    layout: KvLayout, pages: int, page_bytes: int, state_indices: int, state_bytes: int, destinations: int
+) -> int:
+    return (pages * page_bytes + state_indices * state_bytes) * layout.replica_factor(destinations)

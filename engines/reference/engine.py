@@ -42,6 +42,8 @@ class EngineSettings:
     load_delay_s: float = 0.01
     faults: frozenset[str] = frozenset()
     device: str = "cpu"
+    latent_dim: int = 576  # MLA layouts: kv_lora_rank + rope dim
+    state_item_bytes: int = 4096  # per layer, layouts with a per-request state
 
     @property
     def width(self) -> int:
@@ -302,6 +304,16 @@ class ReferenceEngine:
                 page += 1
             pages.append(page)
         return pages
+
+    def transfer_plan(self, layout: str, page_size: int, destinations: int) -> dict[str, int]:
+        """Bytes per page and per state, and how many copies each destination rank needs."""
+        s = self.s
+        if layout == "mha":
+            page_bytes = s.layers * 2 * s.kv_heads * s.head_dim * 2 * page_size
+            return {"page_bytes": page_bytes, "state_bytes": 0, "copies": 1, "shards": destinations}
+        state = s.layers * s.state_item_bytes if layout == "mla_state" else 0
+        page_bytes = s.layers * s.latent_dim * 2 * page_size
+        return {"page_bytes": page_bytes, "state_bytes": state, "copies": destinations, "shards": 1}
 
     def page_payload(self, page: int, page_size: int, page_bytes: int) -> bytes:
         flat = self.pool.kv.view(-1, self.s.width)

@@ -105,7 +105,10 @@ FAULTS: dict[str, Fault] = {
     ),
     "transfer_bytes_ignore_fanout": Fault(
         "the sender counts transferred bytes once, whatever the number of destination replicas",
-        ("transfer::test_transfer_bytes_reconcile*",),
+        (
+            "transfer::test_transfer_bytes_reconcile[mla-4-*]",
+            "transfer::test_transfer_bytes_reconcile[mla_state-4-*]",
+        ),
         "SGLang get_transfer_metric before the fan-out fix (MLA replication)",
     ),
     "page_index_off_by_one": Fault(
@@ -115,7 +118,7 @@ FAULTS: dict[str, Fault] = {
     ),
     "double_release_on_abort": Fault(
         "an aborted transfer's KV is released by the error path and again by the normal path",
-        ("transfer::test_abort_releases_kv_once",),
+        ("transfer::test_abort_releases_kv_once", "transfer::test_release_guard_holds"),
         "SGLang disaggregated prefill: double release_kv_cache on a grammar error",
     ),
     "event_seq_gap": Fault(

@@ -254,11 +254,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"collected": self.engine.instances.collect()})
 
     def _transfer_send(self, body: dict[str, Any]) -> None:
-        """Prefill a prompt and send its KV pages to a decode instance, once per replica."""
+        """Prefill a prompt and send its KV pages to the decode ranks: MHA pages are split
+        into head shards (one per rank), MLA pages (and states) are copied to every rank."""
         e = self.engine
         page_size = int(body["page_size"])
-        page_bytes = int(body["page_bytes"])
-        replicas = int(body.get("replicas", 1))
+        plan = e.transfer_plan(body["layout"], page_size, int(body.get("destinations", 1)))
         abort_after = body.get("abort_after_pages")
         transfer_id = body.get("transfer_id") or uuid.uuid4().hex[:12]
         req, _sources = e.prefill(body["prompt"])
@@ -266,28 +266,33 @@ class Handler(BaseHTTPRequestHandler):
         pages = e.page_indices(kv_indices, page_size)
         sent = sent_pages = 0
         aborted = False
-        try:
-            for replica in range(replicas):
-                for n, page in enumerate(pages):
-                    if abort_after is not None and n >= int(abort_after):
-                        aborted = True
-                        raise ConnectionAbortedError("transfer aborted")
-                    payload = e.page_payload(page, page_size, page_bytes)
-                    requests.post(
-                        f"{body['receiver']}/transfer/recv",
-                        data=payload,
-                        timeout=30,
-                        headers={
-                            "content-type": "application/octet-stream",
-                            "x-transfer-id": transfer_id,
-                            "x-replica": str(replica),
-                        },
-                    )
-                    sent += len(payload)
-                    sent_pages += 1
-        except ConnectionAbortedError:
-            pass
-        counted = sent // replicas if "transfer_bytes_ignore_fanout" in e.faults else sent
+        messages: list[tuple[int, bytes]] = []
+        for n, page in enumerate(pages):
+            if abort_after is not None and n >= int(abort_after):
+                aborted = True
+                break
+            payload = e.page_payload(page, page_size, plan["page_bytes"])
+            shard = len(payload) // plan["shards"]
+            for rank in range(max(plan["copies"], plan["shards"])):
+                part = payload[rank * shard : (rank + 1) * shard] if plan["shards"] > 1 else payload
+                messages.append((rank, part))
+            sent_pages += 1
+        if not aborted and plan["state_bytes"]:
+            state = bytes(plan["state_bytes"])
+            messages.extend((rank, state) for rank in range(plan["copies"]))
+        for rank, part in messages:
+            requests.post(
+                f"{body['receiver']}/transfer/recv",
+                data=part,
+                timeout=30,
+                headers={
+                    "content-type": "application/octet-stream",
+                    "x-transfer-id": transfer_id,
+                    "x-replica": str(rank),
+                },
+            )
+            sent += len(part)
+        counted = sent // plan["copies"] if "transfer_bytes_ignore_fanout" in e.faults else sent
         with e.lock:
             e.counters.transfer_bytes_sent += counted
             e.counters.transfer_pages_sent += sent_pages
@@ -303,8 +308,23 @@ class Handler(BaseHTTPRequestHandler):
                 "bytes_counted": counted,
                 "pages_sent": sent_pages,
                 "aborted": aborted,
+                "state_indices": 1 if plan["state_bytes"] else 0,
             },
         )
+
+    def _release_twice(self, body: dict[str, Any]) -> None:
+        """Test hook: release one request's KV twice through the abort path."""
+        e = self.engine
+        req, _sources = e.prefill(body["prompt"])
+        e.finish(req, abort=True)
+        with e.lock:
+            free_before = len(e.pool.free)
+            released_before = e.counters.released_twice
+        e.finish(req, abort=True)
+        with e.lock:
+            free_delta = len(e.pool.free) - free_before
+            refused = e.counters.released_twice == released_before
+        self._send(200, {"second_refused": refused, "free_delta_on_second": free_delta})
 
     def _transfer_recv(self, body: dict[str, Any]) -> None:
         self.engine.receive(self.headers["x-transfer-id"], int(self.headers["x-replica"]), body["_raw"])
@@ -320,6 +340,7 @@ ROUTES = {
     "/instances/collect": Handler._collect,
     "/transfer/send": Handler._transfer_send,
     "/transfer/recv": Handler._transfer_recv,
+    "/admin/release_twice": Handler._release_twice,
 }
 
 
