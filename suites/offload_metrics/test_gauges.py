@@ -8,6 +8,7 @@ read == usage - write; all drain to 0 once transfers finish. A gauge that lies (
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -96,9 +97,7 @@ def test_offload_byte_counters_match_blocks(
     )
     series = offload_run.sampler.samples
     for name in offload_run.sampler.counter_names:
-        drops = sum(
-            1 for a, b in zip(series, series[1:], strict=False) if b.counters[name] < a.counters[name]
-        )
+        drops = sum(1 for a, b in itertools.pairwise(series) if b.counters[name] < a.counters[name])
         verdict.equal(f"{name}_decreases", drops, 0, note="counters are monotone")
     verdict.conclude()
 
