@@ -122,6 +122,26 @@ class TransferResult:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BlockPoolStats:
+    """One engine iteration's KV block pool, as the engine reports it (BLOCK_POOL_STATS).
+
+    max/free/used are the pool at that iteration. reused/missed count prefix-reuse lookups in
+    blocks; `cumulative` says whether they (and hit_rate) run since engine start (TensorRT-LLM
+    kvCacheStats) or cover this iteration only.
+    """
+
+    max_blocks: int
+    free_blocks: int
+    used_blocks: int
+    reused_blocks: int
+    missed_blocks: int
+    hit_rate: float
+    tokens_per_block: int
+    iteration: int | None = None
+    cumulative: bool = True
+
+
 @dataclass
 class AdapterContext:
     workdir: Path
@@ -328,6 +348,10 @@ class EngineAdapter(ABC):
     def resident_blocks_reported(self) -> int | None:
         """Cached blocks the engine says it holds (None: it does not say)."""
         return None
+
+    def block_pool_stats(self) -> list[BlockPoolStats]:
+        """Every iteration's block-pool stats reported by this engine instance, oldest first."""
+        raise NotImplementedError
 
     def drain_events(self) -> int:
         """Make sure every event emitted so far is in the ledger; fill transport gaps."""
