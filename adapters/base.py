@@ -10,6 +10,7 @@ engine cannot support raises NotImplementedError, and its capability stays out o
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from abc import ABC
 from dataclasses import dataclass, field, replace
@@ -180,9 +181,17 @@ class EngineAdapter(ABC):
         self.ctx = ctx
         self.config: EngineConfig | None = None
         self.base_url: str | None = ctx.url
-        self.http = requests.Session()
+        self._sessions = threading.local()
         self.ledger = EventLedger()
         self._env: BuiltEnv | None = None
+
+    @property
+    def http(self) -> requests.Session:
+        """An HTTP session per thread: samplers scrape while checks send requests."""
+        session = getattr(self._sessions, "session", None)
+        if session is None:
+            session = self._sessions.session = requests.Session()
+        return session
 
     # ---- identity -----------------------------------------------------------------------
     @property

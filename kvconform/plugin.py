@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fnmatch import fnmatchcase
 import os
 import platform
 import time
@@ -93,6 +94,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="FILE",
         help="known-failures manifest (default: ci/known-failures.toml)",
+    )
+    group.addoption(
+        "--check",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="run only checks whose id (as in results.json) matches, repeatable",
     )
     group.addoption(
         "--engine-start-timeout",
@@ -193,6 +201,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = config.getoption("--check")
+    if wanted:
+        keep = [i for i in items if any(fnmatchcase(check_id(i), g) for g in wanted)]
+        dropped = [i for i in items if i not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
     manifest = findings.load(config.getoption("--known-failures"))
     url = config.getoption("--engine-url")
     session = kv_session(config)
