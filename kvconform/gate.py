@@ -1,0 +1,386 @@
+"""The release gate: a candidate's results against a baseline's, check by check.
+
+    kvconform gate BASELINE CANDIDATE [--markdown]
+
+BASELINE and CANDIDATE are results directories (holding results.json, or the records-*.jsonl of a
+run that never merged them) or results.json files. Checks are keyed by engine + check id.
+
+What blocks (exit 1):
+  new failure        the candidate fails (failed/error) or carries a known finding (xfailed) for
+                     a check that the baseline did not fail (passed, skipped, or absent)
+  missing            a check the baseline ran (passed/failed/...) has no record in the candidate
+  no longer run      passed in the baseline, skipped in the candidate: coverage was lost
+  measure regression a numeric measure moved beyond its tolerance in the wrong direction
+                     (`better`: higher / lower / exact), or an expectation that held is violated
+What does not: fixed checks, improvements, checks still failing in both, new or newly run
+checks that pass, checks that failed in the baseline and are skipped in the candidate.
+Exit 0 when nothing blocks, 2 on unreadable input (one line on stderr).
+
+Tolerance is absolute, in the measure's unit. For `exact` measures with a numeric bound, the
+distance from the bound is compared; without a bound, any change beyond the tolerance counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvconform.errors import KvconformError
+from kvconform.results import load_records
+
+FAILING = frozenset({"failed", "error"})
+PASSING = frozenset({"passed", "xpassed"})
+KNOWN = "xfailed"
+NOT_RUN = frozenset({"skipped", "deselected"})
+
+Key = tuple[str, str]  # (engine, check)
+
+
+class GateInputError(KvconformError):
+    """A results file the gate cannot read."""
+
+
+@dataclass
+class Results:
+    source: Path
+    session: dict[str, Any]
+    records: dict[Key, dict[str, Any]]
+    duplicates: int = 0
+
+
+@dataclass
+class Row:
+    verdict: str  # "new failure", "missing", "no longer run", "regression", "fixed", "improvement", ...
+    engine: str
+    check: str
+    detail: str
+    blocking: bool
+
+
+@dataclass
+class GateResult:
+    baseline: Results
+    candidate: Results
+    rows: list[Row] = field(default_factory=list)
+    unchanged: int = 0
+    compared_measures: int = 0
+
+    @property
+    def blocking(self) -> list[Row]:
+        return [r for r in self.rows if r.blocking]
+
+    @property
+    def passed(self) -> bool:
+        return not self.blocking
+
+    def count(self, verdict: str) -> int:
+        return sum(1 for r in self.rows if r.verdict == verdict)
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def load(path_text: str) -> Results:
+    path = Path(path_text)
+    if not path.exists():
+        raise GateInputError(f"{path}: no such file or directory")
+    try:
+        if path.is_dir():
+            merged = path / "results.json"
+            if merged.is_file():
+                session, raw = _read_results_json(merged)
+            else:
+                raw = load_records(path)
+                session = {}
+                if not raw:
+                    raise GateInputError(f"{path}: no results.json and no records-*.jsonl in this directory")
+        else:
+            session, raw = _read_results_json(path)
+    except json.JSONDecodeError as exc:
+        raise GateInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GateInputError(f"{path}: cannot read ({exc})") from None
+    if not raw:
+        raise GateInputError(f"{path}: holds no check records (did the run collect any checks?)")
+    records: dict[Key, dict[str, Any]] = {}
+    duplicates = 0
+    for i, rec in enumerate(raw):
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("check", "outcome")):
+            raise GateInputError(f"{path}: record {i} lacks a check id or an outcome")
+        key = (str(rec.get("engine", "-")), rec["check"])
+        if key in records:
+            duplicates += 1
+            # the same check twice in one run (reruns): the last written is the run's answer
+            if float(rec.get("written_at", 0) or 0) < float(records[key].get("written_at", 0) or 0):
+                continue
+        records[key] = rec
+    return Results(path, session if isinstance(session, dict) else {}, records, duplicates)
+
+
+def _read_results_json(path: Path) -> tuple[dict[str, Any], list[Any]]:
+    data = json.loads(path.read_text())
+    if isinstance(data, list):  # a bare list of records
+        return {}, data
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise GateInputError(f"{path}: not a kvconform results file (no 'records' list)")
+    return data.get("session") or {}, data["records"]
+
+
+# ------------------------------------------------------------------------------------- comparing
+
+
+def compare(baseline: Results, candidate: Results) -> GateResult:
+    result = GateResult(baseline, candidate)
+    keys = sorted(set(baseline.records) | set(candidate.records))
+    for key in keys:
+        base = baseline.records.get(key)
+        cand = candidate.records.get(key)
+        engine, check = key
+        rows = _compare_outcomes(engine, check, base, cand)
+        if base is not None and cand is not None:
+            measure_rows, n = _compare_measures(engine, check, base, cand)
+            rows += measure_rows
+            result.compared_measures += n
+        if rows:
+            result.rows += rows
+        else:
+            result.unchanged += 1
+    order = {"new failure": 0, "missing": 1, "no longer run": 2, "regression": 3}
+    result.rows.sort(key=lambda r: (not r.blocking, order.get(r.verdict, 9), r.engine, r.check))
+    return result
+
+
+def _outcome(rec: dict[str, Any] | None) -> str:
+    return "absent" if rec is None else str(rec.get("outcome", "?"))
+
+
+def _first_line(rec: dict[str, Any] | None) -> str:
+    text = str((rec or {}).get("message") or "").strip()
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
+def _compare_outcomes(
+    engine: str, check: str, base: dict[str, Any] | None, cand: dict[str, Any] | None
+) -> list[Row]:
+    b, c = _outcome(base), _outcome(cand)
+    transition = f"{b} -> {c}"
+    if cand is None:
+        if b in NOT_RUN:
+            return []  # it never ran in the baseline either
+        return [Row("missing", engine, check, f"{b} in baseline, no record in candidate", True)]
+    if c in FAILING:
+        if b in FAILING:
+            return [Row("still failing", engine, check, transition, False)]
+        if b == KNOWN:
+            why = "known finding in baseline, fails in candidate"
+            return [Row("still failing", engine, check, f"{transition} ({why})", False)]
+        detail = transition + (f": {_first_line(cand)}" if _first_line(cand) else "")
+        return [Row("new failure", engine, check, detail, True)]
+    if c == KNOWN:
+        if b in FAILING or b == KNOWN:
+            return [] if b == KNOWN else [Row("still failing", engine, check, transition, False)]
+        finding = str(cand.get("finding") or "").strip()
+        detail = transition + (f": {finding}" if finding else "")
+        return [Row("new failure", engine, check, detail, True)]
+    if c in PASSING:
+        if b in FAILING or b == KNOWN:
+            return [Row("fixed", engine, check, transition, False)]
+        if base is None:
+            return [Row("new check", engine, check, transition, False)]
+        if b in NOT_RUN:
+            return [Row("now runs", engine, check, transition, False)]
+        return []
+    if c in NOT_RUN:
+        if b in PASSING:
+            why = _first_line(cand)
+            return [Row("no longer run", engine, check, transition + (f": {why}" if why else ""), True)]
+        if b in FAILING or b == KNOWN:
+            return [Row("not run", engine, check, transition, False)]
+        return []
+    return [Row("changed", engine, check, transition, b != c and b in PASSING)]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def _measures_by_name(rec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for m in rec.get("measures") or []:
+        if isinstance(m, dict) and isinstance(m.get("name"), str):
+            name = m["name"]
+            n = 2
+            while name in out:  # repeated names keep their order: x, x#2, x#3
+                name = f"{m['name']}#{n}"
+                n += 1
+            out[name] = m
+    return out
+
+
+def _compare_measures(
+    engine: str, check: str, base: dict[str, Any], cand: dict[str, Any]
+) -> tuple[list[Row], int]:
+    rows: list[Row] = []
+    compared = 0
+    base_m = _measures_by_name(base)
+    for name, cm in _measures_by_name(cand).items():
+        bm = base_m.get(name)
+        if bm is None:
+            continue
+        label = f"{check} :: {name}"
+        if bm.get("ok") is True and cm.get("ok") is False:
+            detail = f"expectation now violated: {_describe(cm)} (was {_fmt(bm.get('value'))})"
+            rows.append(Row("regression", engine, label, detail, True))
+            continue
+        better = cm.get("better") or bm.get("better")
+        bv, cv = _number(bm.get("value")), _number(cm.get("value"))
+        if better not in ("higher", "lower", "exact") or bv is None or cv is None:
+            continue
+        compared += 1
+        tol = _number(cm.get("tolerance")) or _number(bm.get("tolerance")) or 0.0
+        tol = abs(tol)
+        unit = str(cm.get("unit") or bm.get("unit") or "")
+        if better == "exact":
+            worse = _exact_worsening(bv, cv, _number(bm.get("bound")), _number(cm.get("bound")))
+        else:
+            delta = cv - bv
+            worse = delta if better == "lower" else -delta
+        unit_text = f" {unit}" if unit else ""
+        change = f"{_fmt(bv)} -> {_fmt(cv)}{unit_text} ({better} is better, tolerance {_fmt(tol)})"
+        if worse > tol:
+            rows.append(Row("regression", engine, label, change, True))
+        elif worse < -tol:
+            rows.append(Row("improvement", engine, label, change, False))
+    return rows, compared
+
+
+def _exact_worsening(bv: float, cv: float, b_bound: float | None, c_bound: float | None) -> float:
+    """How much further the candidate is from what it should be than the baseline was."""
+    if b_bound is not None and c_bound is not None:
+        return abs(cv - c_bound) - abs(bv - b_bound)
+    return abs(cv - bv)  # no bound to aim at: any change is a move away from the baseline
+
+
+def _describe(m: dict[str, Any]) -> str:
+    unit = f" {m['unit']}" if m.get("unit") else ""
+    text = f"{_fmt(m.get('value'))}{unit}"
+    if m.get("op"):
+        text += f", expected {m['op']} {_fmt(m.get('bound'))}{unit}"
+    return text
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+# -------------------------------------------------------------------------------------- printing
+
+
+def _session_line(label: str, res: Results) -> str:
+    engines = res.session.get("engines") or {}
+    if not engines:
+        seen: dict[str, str] = {}
+        for (engine, _check), rec in res.records.items():
+            seen.setdefault(engine, str(rec.get("engine_version", "?")))
+        engines = seen
+    versions = ", ".join(f"{e} {v}" for e, v in sorted(engines.items())) or "-"
+    platform = res.session.get("platform") or next(
+        (str(r.get("platform")) for r in res.records.values() if r.get("platform")), "?"
+    )
+    extra = f", {res.duplicates} duplicate records (last kept)" if res.duplicates else ""
+    return f"{label}: {res.source} — {versions}; platform {platform}; {len(res.records)} checks{extra}"
+
+
+_PLURAL = {"new failure", "regression", "improvement", "new check"}
+
+
+def _summary(result: GateResult) -> str:
+    verdicts = ("new failure", "missing", "no longer run", "regression", "fixed", "improvement")
+    pieces = []
+    for verdict in (*verdicts, "new check", "now runs", "still failing", "not run", "changed"):
+        n = result.count(verdict)
+        if n:
+            pieces.append(f"{n} {verdict}{'s' if n > 1 and verdict in _PLURAL else ''}")
+    pieces.append(f"{result.unchanged} unchanged")
+    head = "FAIL" if not result.passed else "PASS"
+    return f"gate: {head} — " + ", ".join(pieces) + f" ({result.compared_measures} measures compared)"
+
+
+def render_plain(result: GateResult) -> str:
+    lines = [_session_line("baseline ", result.baseline), _session_line("candidate", result.candidate)]
+    warn = _platform_warning(result)
+    if warn:
+        lines.append(f"warning: {warn}")
+    lines.append("")
+    if result.rows:
+        header = ("", "VERDICT", "ENGINE", "CHECK", "DETAIL")
+        table = [header] + [
+            ("!!" if r.blocking else "", r.verdict, r.engine, r.check, r.detail) for r in result.rows
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(4)]
+        for row in table:
+            cells = [row[i].ljust(widths[i]) for i in range(4)] + [row[4]]
+            lines.append("  ".join(cells).rstrip())
+        lines.append("")
+    else:
+        lines.append("no differences")
+        lines.append("")
+    lines.append(_summary(result))
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(result: GateResult) -> str:
+    head = "FAIL" if not result.passed else "PASS"
+    icon = ":x:" if not result.passed else ":white_check_mark:"
+    lines = [f"### kvconform gate: {icon} {head}", ""]
+    lines.append(f"- {_md(_session_line('baseline', result.baseline))}")
+    lines.append(f"- {_md(_session_line('candidate', result.candidate))}")
+    warn = _platform_warning(result)
+    if warn:
+        lines.append(f"- **warning:** {_md(warn)}")
+    lines.append("")
+    if result.rows:
+        lines.append("| | Verdict | Engine | Check | Detail |")
+        lines.append("|---|---|---|---|---|")
+        for r in result.rows:
+            mark = ":x:" if r.blocking else ""
+            lines.append(f"| {mark} | {r.verdict} | {_md(r.engine)} | `{_md(r.check)}` | {_md(r.detail)} |")
+        lines.append("")
+    lines.append(_md(_summary(result)))
+    return "\n".join(lines)
+
+
+def _platform_warning(result: GateResult) -> str:
+    bp = result.baseline.session.get("platform")
+    cp = result.candidate.session.get("platform")
+    if bp and cp and bp != cp:
+        return f"platforms differ ({bp} vs {cp}): memory and timing measures may not be comparable"
+    return ""
+
+
+def run_gate(baseline: str, candidate: str, markdown: bool = False, out: TextIO | None = None) -> int:
+    """Print the comparison; 1 if anything blocks, 0 if not, 2 on unreadable input."""
+    out = out or sys.stdout
+    try:
+        base = load(baseline)
+        cand = load(candidate)
+    except GateInputError as exc:
+        print(f"kvconform gate: {exc}", file=sys.stderr)
+        return 2
+    result = compare(base, cand)
+    print(render_markdown(result) if markdown else render_plain(result), file=out)
+    return 0 if result.passed else 1

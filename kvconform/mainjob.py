@@ -1,0 +1,69 @@
+"""The main job: the suites against engines in a pytest subprocess, then the HTML report.
+
+    kvconform run [--engine NAME]... [--results-dir DIR] [--report-dir DIR] [-- PYTEST ARGS...]
+
+Results land in DIR/results.json, Allure results in DIR/allure, the report in REPORT/index.html.
+The report is generated whatever the checks' outcome. The exit code is pytest's; pytest's 5
+(no checks collected) stays a failure. A run whose checks passed but whose report could not be
+generated exits 2.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from kvconform.errors import KvconformError, UsageError
+
+NO_TESTS_COLLECTED = 5
+
+
+def checkout_root() -> Path:
+    """The directory holding suites/: this checkout, else the working directory."""
+    for candidate in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (candidate / "suites").is_dir():
+            return candidate
+    raise UsageError("suites/ not found: run `kvconform run` from a kvconform checkout")
+
+
+def pytest_command(engines: list[str], results_dir: Path, pytest_args: list[str]) -> list[str]:
+    """The pytest command line of the main job (without the interpreter)."""
+    cmd = ["-m", "pytest", "suites"]
+    for engine in engines:
+        cmd += ["--engine", engine]
+    cmd += ["--results-dir", str(results_dir), "--alluredir", str(results_dir / "allure")]
+    cmd += ["--clean-alluredir", *pytest_args]
+    return cmd
+
+
+def run_main_job(engines: list[str], results_dir: str, report_dir: str, pytest_args: list[str]) -> int:
+    root = checkout_root()
+    results = Path(results_dir).resolve()
+    report = Path(report_dir).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, *pytest_command(engines or ["reference"], results, pytest_args)]
+    print(f"kvconform run: {' '.join(cmd)}", flush=True)
+    code = subprocess.run(cmd, cwd=root, check=False).returncode
+    if code == NO_TESTS_COLLECTED:
+        print("kvconform run: pytest collected no checks (exit 5): treated as a failure", file=sys.stderr)
+
+    allure_dir = results / "allure"
+    if not any(allure_dir.glob("*-result.json")):
+        if (report / "index.html").is_file():
+            shutil.rmtree(report)  # an older run's report must not pass for this run's
+        print(f"kvconform run: no Allure results in {allure_dir}: no report generated", file=sys.stderr)
+        return code or 2
+    from kvconform.allure_html import generate
+
+    try:
+        index = generate(str(allure_dir), str(report))
+    except KvconformError as exc:
+        print(f"kvconform run: HTML report not generated: {exc}", file=sys.stderr)
+        return code or 2
+    merged = results / "results.json"
+    if merged.exists():
+        print(f"kvconform run: results: {merged}")
+    print(f"kvconform run: report: {index}")
+    return code

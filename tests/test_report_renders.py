@@ -1,0 +1,324 @@
+"""The HTML report a reviewer opens: generated from a real run, rendered in headless Chromium.
+
+A tiny session of our suites runs against the reference engine with the granularity_loss fault
+(`kvconform run`, so the main job is exercised end to end): the partial-block checks and the
+block-size sweep fail, the repeated-prompt check passes. The report must render its overview
+(title, counts, one tree leaf per check), and a failed check must show its measurements and,
+for the sweep, its plot as a decoded image. Screenshots go to the results dir and to Allure.
+
+Chromium is driven over the DevTools protocol on a pipe (--remote-debugging-pipe): no port,
+no websocket library. Needs the Debian package `chromium` and Node.js/npm; skipped with the
+reason when either is absent, unless KVCONFORM_REQUIRE_REPORT_TOOLS=1 (then it fails).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import allure
+import pytest
+
+from kvconform.mainjob import run_main_job
+
+FAULT = "granularity_loss"
+SELECT = "partial_block or repeated_prompt or block_size_sweep"
+PASSING_CHECK = "test_repeated_prompt_served_from_cache"
+FAILED_CHECK = "test_partial_block_prefix_hits_match_oracle"
+PLOT_CHECK = "test_block_size_sweep"  # fails under the fault and attaches a PNG plot
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--hide-scrollbars",
+    "--remote-debugging-pipe",
+]
+VIEWPORT = (1400, 1800)
+
+
+def _missing(what: str) -> None:
+    message = f"{what} (CI: apt-get install -y chromium; Node.js >= 20 with npm)"
+    if os.environ.get("KVCONFORM_REQUIRE_REPORT_TOOLS") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _chromium() -> str:
+    for name in (os.environ.get("KVCONFORM_CHROMIUM", ""), "chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name) if name else None
+        if path:
+            return path
+    _missing("chromium is not installed")
+    raise AssertionError("unreachable")
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on fds 3/4 (NUL-separated JSON)."""
+
+    def __init__(self, executable: str, profile: Path, log: Path) -> None:
+        to_chrome_r, to_chrome_w = os.pipe()
+        from_chrome_r, from_chrome_w = os.pipe()
+
+        def wire_fds() -> None:  # in the child: its end of each pipe at fd 3 (commands) / 4 (replies)
+            cmd = fcntl.fcntl(to_chrome_r, fcntl.F_DUPFD, 10)
+            rep = fcntl.fcntl(from_chrome_w, fcntl.F_DUPFD, 10)
+            os.dup2(cmd, 3)
+            os.dup2(rep, 4)
+
+        args = [executable, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
+        args += [f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "about:blank"]
+        with log.open("wb") as log_fh:
+            self.proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fh,
+                stderr=subprocess.STDOUT,
+                preexec_fn=wire_fds,
+                pass_fds=(3, 4),
+                start_new_session=True,
+            )
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self.log = log
+        self._out, self._in = to_chrome_w, from_chrome_r
+        self._buf = b""
+        self._id = 0
+        self.session: str | None = None
+
+    def _message(self, deadline: float) -> dict[str, Any]:
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"chromium did not answer in time; log: {self._log_tail()}")
+            ready, _, _ = select.select([self._in], [], [], left)
+            if ready:
+                chunk = os.read(self._in, 1 << 20)
+                if not chunk:
+                    raise RuntimeError(f"chromium closed the DevTools pipe; log: {self._log_tail()}")
+                self._buf += chunk
+        raw, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(raw)
+
+    def send(self, method: str, params: dict[str, Any] | None = None, browser: bool = False) -> Any:
+        self._id += 1
+        msg: dict[str, Any] = {"id": self._id, "method": method, "params": params or {}}
+        if self.session and not browser:
+            msg["sessionId"] = self.session
+        os.write(self._out, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + 30
+        while True:
+            reply = self._message(deadline)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+
+    def open_page(self) -> None:
+        targets = self.send("Target.getTargets", browser=True)["targetInfos"]
+        page = next(t for t in targets if t["type"] == "page")
+        attached = self.send("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True}, True)
+        self.session = attached["sessionId"]
+        self.send("Page.enable")
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": VIEWPORT[0], "height": VIEWPORT[1], "deviceScaleFactor": 1, "mobile": False},
+        )
+
+    def navigate(self, url: str) -> None:
+        self.send("Page.navigate", {"url": url})
+
+    def js(self, expression: str) -> Any:
+        result = self.send(
+            "Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True}
+        )
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression[:80]}: {result['exceptionDetails'].get('text')}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, what: str, timeout: float = 30) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = self.js(expression)
+            if value:
+                return value
+            time.sleep(0.2)
+        body = self.js("document.body ? document.body.innerText.slice(0, 600) : ''")
+        raise AssertionError(f"report: {what} did not appear within {timeout:.0f}s; page text: {body!r}")
+
+    def screenshot(self) -> bytes:
+        self.js("window.scrollTo(0, 0)")
+        time.sleep(0.3)
+        return base64.b64decode(self.send("Page.captureScreenshot", {"format": "png"})["data"])
+
+    def _log_tail(self) -> str:
+        try:
+            return " | ".join(self.log.read_text(errors="replace").splitlines()[-5:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send("Browser.close", browser=True)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what we started
+            self.proc.wait(timeout=10)
+        os.close(self._out)
+        os.close(self._in)
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Chromium]:
+    exe = _chromium()
+    profile = tmp_path / "chromium-profile"  # fresh each run
+    profile.mkdir()
+    chrome = Chromium(exe, profile, tmp_path / "chromium.log")
+    try:
+        chrome.open_page()
+        yield chrome
+    finally:
+        chrome.close()
+
+
+@pytest.fixture
+def failing_run(tmp_path: Path) -> dict[str, Any]:
+    """`kvconform run` on the reference engine with one fault: some checks fail, one passes."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        _missing("node/npm are not installed (the Allure 3 report generator is an npm package)")
+    base = tmp_path / "report-run"
+    results, report = base / "results", base / "report"
+    started = time.monotonic()
+    code = run_main_job(["reference"], str(results), str(report), ["--fault", FAULT, "-k", SELECT, "-q"])
+    records = json.loads((results / "results.json").read_text())["records"]
+    return {
+        "code": code,
+        "index": report / "index.html",
+        "records": records,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def _record(records: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(r for r in records if name in r["check"])
+
+
+def _save(request: pytest.FixtureRequest, name: str, png: bytes) -> Path:
+    out = Path(request.config.getoption("--results-dir")).resolve() / "screenshots"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_bytes(png)
+    allure.attach(png, name=name, attachment_type=allure.attachment_type.PNG)
+    return path
+
+
+def _open_check(chrome: Chromium, name: str) -> None:
+    chrome.js(
+        "[...document.querySelectorAll('[data-testid=tree-leaf]')]"
+        f".find(e => e.innerText.includes({json.dumps(name)})).click()"
+    )
+    chrome.wait_for(
+        "document.querySelector('[data-testid=test-result-status-failed]') && "
+        "document.querySelectorAll('[data-testid=test-result-attachment-header]').length",
+        f"the failed check {name} with its attachments",
+    )
+
+
+def _attachment_names(chrome: Chromium) -> list[str]:
+    # each header reads "N\nname\nmime type\nsize"
+    return chrome.js(
+        "[...document.querySelectorAll('[data-testid=test-result-attachment-header]')]"
+        ".map(e => e.innerText.split('\\n')[1])"
+    )
+
+
+def _expand(chrome: Chromium, names: list[str]) -> None:
+    chrome.js(
+        "[...document.querySelectorAll('[data-testid=test-result-attachment-header]')]"
+        f".filter(e => {json.dumps(names)}.includes(e.innerText.split('\\n')[1]))"
+        ".forEach(e => e.querySelector('button').click())"
+    )
+
+
+def _attachment_text(chrome: Chromium, name: str) -> str:
+    return chrome.js(
+        "[...document.querySelectorAll('[data-testid=test-result-attachment]')]"
+        f".filter(e => e.innerText.split('\\n')[1] === {json.dumps(name)})"
+        ".map(e => e.innerText).join('\\n')"
+    )
+
+
+def test_report_of_a_failing_run_renders(
+    browser: Chromium, failing_run: dict[str, Any], request: pytest.FixtureRequest
+) -> None:
+    # the main job: pytest's exit code comes back, and the report exists although checks failed
+    records = failing_run["records"]
+    assert failing_run["code"] == 1, f"pytest's exit code must come back: {failing_run['code']}"
+    assert failing_run["index"].is_file(), "the report must be generated even though checks failed"
+    assert _record(records, PASSING_CHECK)["outcome"] == "passed"
+    assert _record(records, FAILED_CHECK)["outcome"] == "failed"
+    assert _record(records, PLOT_CHECK)["outcome"] == "failed"
+    browser.navigate(failing_run["index"].as_uri())
+
+    # the overview: title, one leaf per check, the failed/passed split
+    leaves = browser.wait_for(
+        "document.querySelectorAll('[data-testid=tree-leaf]').length", "the overview's test tree"
+    )
+    assert leaves == len(records), f"{leaves} tree leaves for {len(records)} checks"
+    assert "kvconform" in browser.js("document.querySelector('[data-testid=report-title]').innerText")
+    failed = sum(r["outcome"] == "failed" for r in records)
+    assert browser.js("document.querySelectorAll('[data-testid=tree-leaf-status-failed]').length") == failed
+    passed = sum(r["outcome"] == "passed" for r in records)
+    assert browser.js("document.querySelectorAll('[data-testid=tree-leaf-status-passed]').length") == passed
+    _save(request, "report-overview.png", browser.screenshot())
+
+    # a failed check: its measurements, with the violated expectation, render
+    record = _record(records, FAILED_CHECK)
+    violated = [m["name"] for m in record["measures"] if m.get("ok") is False]
+    assert violated, "the failed check recorded no violated expectation"
+    _open_check(browser, FAILED_CHECK)
+    names = _attachment_names(browser)
+    assert {"measurements", "measurements.json"} <= set(names), names
+    _expand(browser, ["measurements"])
+    browser.wait_for(
+        "[...document.querySelectorAll('[data-testid=test-result-attachment]')]"
+        f".some(e => e.innerText.includes({json.dumps(violated[0])}))",
+        f"measurement {violated[0]} of {FAILED_CHECK}",
+    )
+    assert "VIOLATED" in _attachment_text(browser, "measurements")
+
+    # the failed sweep: its plot is decoded as an image, beside its measurements
+    browser.navigate(failing_run["index"].as_uri())
+    browser.wait_for("document.querySelectorAll('[data-testid=tree-leaf]').length", "the overview")
+    _open_check(browser, PLOT_CHECK)
+    names = _attachment_names(browser)
+    plots = [n for n in names if n.endswith(".png")]
+    assert plots and "measurements" in names, names
+    _expand(browser, [*plots, "measurements"])
+    size = browser.wait_for(
+        "(() => { const i = [...document.querySelectorAll('[data-testid=test-result-attachment] img')]"
+        ".find(i => i.complete && i.naturalWidth > 0); return i && [i.naturalWidth, i.naturalHeight]; })()",
+        f"the plot {plots[0]} as a decoded image",
+    )
+    assert size[0] >= 300 and size[1] >= 200, f"plot rendered at {size}"
+    sweep_violated = [m["name"] for m in _record(records, PLOT_CHECK)["measures"] if m.get("ok") is False]
+    assert sweep_violated and sweep_violated[0] in _attachment_text(browser, "measurements")
+    path = _save(request, "report-failed-check.png", browser.screenshot())
+    print(f"screenshots in {path.parent}; the report run took {failing_run['seconds']:.1f}s")
