@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,6 +27,14 @@ from kvconform.zmq_events import ZmqEventSubscriber
 C = Capability
 MODEL_NAME = "tiny"
 KV_CACHE_BYTES = 8 * 2**20  # 256 blocks of 32 tokens: gauges and eviction move visibly
+# Host offload tier (adapters/drivers/vllm_offload_spec.py): vLLM's own CPUOffloadingManager
+# with a host-copy worker, since vLLM's CPU offload worker needs an accelerator.
+OFFLOAD_SPEC_MODULE = "vllm_offload_spec"
+OFFLOAD_SPEC_CLASS = "KvconformCPUOffloadingSpec"
+OFFLOAD_CPU_BYTES = 8 * 2**20  # 256 host chunks of one 32-token block each
+OFFLOAD_STORE_DELAY_S = 0.15  # stores finish this long after submit: the write gauge shows them
+OFFLOAD_LOAD_DELAY_S = 0.05
+RESET_RETRY_S = 10.0  # /reset_prefix_cache answers success=false while blocks are held
 
 
 class VllmAdapter(EngineAdapter):
@@ -46,6 +55,9 @@ class VllmAdapter(EngineAdapter):
             C.LONG_SESSION,
             C.KV_EVENTS,
             C.ABORT_REQUESTS,
+            C.OFFLOAD_GAUGES,
+            C.OFFLOAD_STORE_FAILURE,
+            C.OFFLOAD_HOST_HITS,
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
@@ -53,6 +65,15 @@ class VllmAdapter(EngineAdapter):
         "prefix_hits": "vllm:prefix_cache_hits_total",
         "kv_usage": "vllm:kv_cache_usage_perc",
         "preemptions": "vllm:num_preemptions_total",
+        "offload_usage": "vllm:kv_offload_cpu_cache_usage_perc",
+        "offload_write_usage": "vllm:kv_offload_cpu_cache_write_usage_perc",
+        "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
+        "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
+        "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
+        # chunks the manager allocated for stores (prepare_store); see store_failures()
+        "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
+        "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
+        "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
     }
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
 
@@ -129,11 +150,85 @@ class VllmAdapter(EngineAdapter):
             "--kv-events-config",
             json.dumps(kv_events),
             "--disable-uvicorn-access-log",
+            *(["--kv-transfer-config", json.dumps(self.offload_transfer_config())] if config.offload else []),
         ]
 
+    # ---- offload tier -------------------------------------------------------------------
+    def fail_stores_file(self) -> Path:
+        """While this file exists, the offload spec fails new stores (read by the engine)."""
+        return self.ctx.workdir / "vllm-offload-fail-stores"
+
+    def offload_transfer_config(self) -> dict[str, object]:
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": OFFLOAD_CPU_BYTES,
+                "spec_name": OFFLOAD_SPEC_CLASS,
+                "spec_module_path": OFFLOAD_SPEC_MODULE,
+                "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
+                "kvconform_load_delay_s": OFFLOAD_LOAD_DELAY_S,
+                "kvconform_fail_stores_file": str(self.fail_stores_file()),
+            },
+        }
+
+    # vLLM creates the offload gauges and counters at their first update (the gauges at the
+    # first scheduler stats with the connector, the byte counters at the first finished
+    # transfer); until then they are absent from /metrics. With the offload tier on (started by
+    # us, or, attached, the connector's pre-initialised legacy `vllm:kv_offload_*` series are
+    # there), an absent one reads as its value before any transfer: 0.
+    LAZY_OFFLOAD_METRICS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "offload_usage",
+            "offload_write_usage",
+            "offload_read_usage",
+            "offload_store_bytes",
+            "offload_load_bytes",
+            "offload_store_chunks_prepared",
+        }
+    )
+
+    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        try:
+            return super().metric(logical, snapshot, **labels)
+        except KeyError:
+            if logical in self.LAZY_OFFLOAD_METRICS and self._offload_tier_present(snapshot):
+                return 0.0
+            raise
+
+    def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
+        if self.config is None or not self.config.offload:
+            return False
+        return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
+
+    def set_store_failure(self, fail: bool) -> None:
+        if self.config is None or not self.config.offload:
+            raise EngineError(
+                self.name, "set_store_failure needs the offload tier (EngineConfig(offload=True))"
+            )
+        self._write_fail_stores_file(fail)
+
+    def _write_fail_stores_file(self, fail: bool) -> None:
+        path = self.fail_stores_file()
+        if fail:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
+
+    def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        """Blocks whose store failed. vLLM exports no failed-store counter, so: blocks the
+        manager allocated for stores (vLLM's allocation-size histogram sum) minus blocks whose
+        bytes the connector counted as stored (store bytes / host block bytes)."""
+        prepared = self.metric_delta("offload_store_chunks_prepared", before, after)
+        stored = self.metric_delta("offload_store_bytes", before, after) / self.offload_block_bytes()
+        return prepared - stored
+
     def start(self, config: EngineConfig) -> None:
-        if config.offload or config.persistent:
-            raise NotImplementedError("vLLM offload/persistent configs are not wired yet")
+        if config.persistent:
+            raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
+        if config.offload:
+            self._write_fail_stores_file(config.fail_stores)
         port, events_port, replay_port = free_port(), free_port(), free_port()
         self.ledger = EventLedger()  # one ledger per engine instance: seq restarts at 0
         self.subscriber = ZmqEventSubscriber(
@@ -152,6 +247,8 @@ class VllmAdapter(EngineAdapter):
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
+        if config.offload:
+            env["PYTHONPATH"] = str(DRIVERS_DIR)  # the offload spec module, imported by vLLM
         try:
             self.server = LaunchedServer(
                 self.name,
@@ -208,7 +305,21 @@ class VllmAdapter(EngineAdapter):
         )
 
     def reset_prefix_cache(self) -> None:
-        self._request("POST", "/reset_prefix_cache")
+        """Reset the device prefix cache only: vLLM keeps the offload tier unless asked with
+        `reset_external=true`. vLLM answers success=false while blocks are still held
+        (running requests, in-flight transfers); retry until it succeeds."""
+        deadline = time.monotonic() + RESET_RETRY_S
+        while True:
+            resp = self._request("POST", "/reset_prefix_cache")
+            try:
+                answer = resp.json()
+            except ValueError:  # older versions answer with an empty 200
+                return
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(self.name, f"/reset_prefix_cache kept answering {answer}", self.log_tail())
+            time.sleep(0.1)
 
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")
