@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import requests
+
 from adapters.base import (
     AdapterContext,
+    BlockPoolStats,
     Capability,
     EngineAdapter,
     EngineConfig,
@@ -61,6 +64,7 @@ class ReferenceAdapter(EngineAdapter):
             C.OFFLOAD_STORE_FAILURE,
             C.OFFLOAD_HOST_HITS,
             C.TIERED_STORE_METRICS,
+            C.BLOCK_POOL_STATS,
             C.KV_EVENTS,
             C.ABORT_REQUESTS,
             C.TRANSFER_ACCOUNTING,
@@ -85,9 +89,9 @@ class ReferenceAdapter(EngineAdapter):
         "offload_failed_stores": "kvref_offload_failed_stores_total",
         "transfer_bytes_sent": "kvref_transfer_bytes_sent_total",
         "transfer_bytes_received": "kvref_transfer_bytes_received_total",
-        "disk_usage_bytes": "kvref_disk_usage_bytes",
-        "disk_store_submitted": "kvref_disk_store_submitted_total",
-        "disk_store_completed": "kvref_disk_store_completed_total",
+        "l2_usage_bytes": "kvref_disk_usage_bytes",
+        "l2_store_submitted": "kvref_disk_store_submitted_total",
+        "l2_store_completed": "kvref_disk_store_completed_total",
     }
     churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
     shm_prefix = "kvconform-ref-"
@@ -256,11 +260,16 @@ class ReferenceAdapter(EngineAdapter):
         instance_id = f"twice-{time.monotonic_ns()}"
         self.create_instance(instance_id, self.INSTANCE_BYTES)
         first = self.release_instance(instance_id, path)
-        second = self.http.delete(self.url(f"/instances/{instance_id}"), timeout=30)
+        try:
+            status: int | str = self.http.delete(
+                self.url(f"/instances/{instance_id}"), timeout=30
+            ).status_code
+        except requests.RequestException as exc:
+            status = f"no answer ({type(exc).__name__})"
         return {
             "first_released": first["released"],
-            "second_status": second.status_code,
-            "second_refused_cleanly": second.status_code == 404,
+            "second_status": status,
+            "second_refused_cleanly": status == 404,
         }
 
     def create_instance(self, instance_id: str, nbytes: int) -> None:
@@ -324,6 +333,22 @@ class ReferenceAdapter(EngineAdapter):
             state_indices=result["state_indices"],
             detail={"aborted": result["aborted"]},
         )
+
+    def block_pool_stats(self) -> list[BlockPoolStats]:
+        return [
+            BlockPoolStats(
+                max_blocks=it["maxNumBlocks"],
+                free_blocks=it["freeNumBlocks"],
+                used_blocks=it["usedNumBlocks"],
+                reused_blocks=it["reusedBlocks"],
+                missed_blocks=it["missedBlocks"],
+                hit_rate=it["cacheHitRate"],
+                tokens_per_block=it["tokensPerBlock"],
+                iteration=it["iter"],
+                cumulative=True,
+            )
+            for it in self.get_json("/kv_stats")
+        ]
 
     def release_twice(self, tokens: list[int]) -> dict[str, Any]:
         return self.post_json("/admin/release_twice", {"prompt": tokens})

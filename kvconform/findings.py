@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvconform.checkids import matches
+
 DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "ci" / "known-failures.toml"
 ENTRY_KEY = pytest.StashKey["Finding"]()
 
@@ -38,11 +40,7 @@ class Manifest:
 
     def match(self, engine: str, version: str, check: str) -> Finding | None:
         for entry in self.entries:
-            if (
-                entry.engine == engine
-                and fnmatchcase(version, entry.version)
-                and fnmatchcase(check, entry.check)
-            ):
+            if entry.engine == engine and fnmatchcase(version, entry.version) and matches(check, entry.check):
                 return entry
         return None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from fnmatch import fnmatchcase
 import os
 import platform
 import time
@@ -16,6 +15,7 @@ import pytest
 from adapters import ADAPTERS, adapter_class
 from adapters.base import AdapterContext, Capability, EngineAdapter
 from kvconform import findings, report
+from kvconform.checkids import matches
 from kvconform.errors import KvconformError
 from kvconform.memory import nvml
 from kvconform.processes import stop_all_live
@@ -203,7 +203,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = config.getoption("--check")
     if wanted:
-        keep = [i for i in items if any(fnmatchcase(check_id(i), g) for g in wanted)]
+        keep = [i for i in items if any(matches(check_id(i), g) for g in wanted)]
         dropped = [i for i in items if i not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)

@@ -110,6 +110,9 @@ class ReferenceEngine:
         self.router_index: set[str] = set()
         self.session_copies: list[torch.Tensor] = []  # only the session_growth fault fills it
         self.received: dict[str, dict[str, Any]] = {}
+        self.iterations: list[dict[str, Any]] = []  # per-request pool stats (TRT-LLM-shaped)
+        self.reused_blocks = 0
+        self.missed_blocks = 0
 
     # ---- events -------------------------------------------------------------------------
     def _on_pool_event(self, kind: str, hashes: list[str], parent: str | None, _tokens: int) -> None:
@@ -203,10 +206,34 @@ class ReferenceEngine:
                 if source != "computed":
                     self.counters.cached_by_source[source] += count
             self.counters.requests += 1
+            self._record_iteration(len(req.blocks) - len(fresh), len(fresh))
             if "session_growth" in self.faults:
                 self.session_copies.append(self.pool.kv[req.blocks].clone())
             self._flush_events()
             return req, {"cached": hits, **{k: v for k, v in sources.items() if v}}
+
+    def _record_iteration(self, reused: int, missed: int) -> None:
+        """Pool stats as a scheduler iteration would report them, while the request holds
+        its blocks: cumulative reuse counters, hit rate = reused / (reused + missed)."""
+        self.reused_blocks += reused
+        self.missed_blocks += missed
+        stats = self.pool.stats()
+        free = stats.total - stats.in_use
+        if "pool_stats_inconsistent" in self.faults:
+            free = stats.free  # forgets cached-but-free blocks
+        looked_up = self.reused_blocks + self.missed_blocks
+        self.iterations.append(
+            {
+                "iter": len(self.iterations),
+                "maxNumBlocks": stats.total,
+                "freeNumBlocks": free,
+                "usedNumBlocks": stats.in_use,
+                "reusedBlocks": self.reused_blocks,
+                "missedBlocks": self.missed_blocks,
+                "tokensPerBlock": self.s.block_size,
+                "cacheHitRate": self.reused_blocks / looked_up if looked_up else 0.0,
+            }
+        )
 
     def _load_lower(self, key: str) -> tuple[torch.Tensor | None, str]:
         if self.host is not None and self.host.contains(key):

@@ -35,6 +35,7 @@ class InstanceRegistry:
         self.registered_total = 0
         self.unregistered_total = 0
         self.duplicate_unregisters = 0
+        self.released_ids: set[str] = set()
 
     def register(self, instance_id: str, shm_name: str, nbytes: int) -> None:
         if "/" in shm_name or not shm_name:
@@ -68,7 +69,10 @@ class InstanceRegistry:
             imported = self.instances.pop(instance_id, None)
             if imported is None:
                 self.duplicate_unregisters += 1
+                if instance_id in self.released_ids and "double_unregister_crashes" in self.faults:
+                    os._exit(3)
                 return False
+            self.released_ids.add(instance_id)
             self.unregistered_total += 1
             if "leak_on_unregister" in self.faults:
                 self.leaked.append(imported)

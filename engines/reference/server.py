@@ -141,6 +141,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"version": VERSION, "faults": sorted(self.engine.faults)})
         elif route == "/metrics":
             self._send(200, generate_latest(self.registry), "text/plain; version=0.0.4")
+        elif route == "/kv_stats":
+            with self.engine.lock:
+                self._send(200, list(self.engine.iterations))
         elif route == "/stats":
             with self.engine.lock:
                 stats = self.engine.pool.stats()
@@ -300,6 +303,8 @@ class Handler(BaseHTTPRequestHandler):
             )
             sent += len(part)
         counted = sent // plan["copies"] if "transfer_bytes_ignore_fanout" in e.faults else sent
+        if "transfer_bytes_include_headers" in e.faults:
+            counted += 64 * len(messages)
         with e.lock:
             e.counters.transfer_bytes_sent += counted
             e.counters.transfer_pages_sent += sent_pages
