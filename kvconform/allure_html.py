@@ -4,7 +4,8 @@ The generator is installed on first use into a cache outside the checkout, keyed
     $KVCONFORM_NODE_ROOT (default ~/.cache/kvconform/node)/allure-<version>/
 and runs offline from there afterwards. It needs `node` (and `npm` for that first install).
 The report is written as a single index.html (the awesome plugin's singleFile mode): it opens
-from disk or from a CI artifact without a web server.
+from disk or from a CI artifact without a web server, and calls nothing outside itself (the
+template's analytics tags are removed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -142,7 +144,25 @@ def generate(allure_results: str, out: str) -> str:
             f"allure generate failed (exit {proc.returncode}) on {results}: "
             f"{_tail(proc.stderr or proc.stdout)}"
         )
+    _strip_analytics(index)
     return str(index)
+
+
+# The generator's page template always embeds Google Analytics (no option turns it off): a report
+# of an inference platform must not call out when opened, and on a closed network the pending
+# request can hold the page's load event. Both of its tags go.
+_ANALYTICS = re.compile(
+    r"\s*<script async src=\"https://www\.googletagmanager\.com/gtag/js[^\"]*\"></script>"
+    r"(\s*<script>\s*window\.dataLayer\s*=.*?</script>)?",
+    re.DOTALL,
+)
+
+
+def _strip_analytics(index: Path) -> None:
+    html = index.read_text(encoding="utf-8")
+    cleaned = _ANALYTICS.sub("", html, count=1)
+    if cleaned != html:
+        index.write_text(cleaned, encoding="utf-8")
 
 
 def _node() -> str:

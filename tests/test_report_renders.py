@@ -4,7 +4,8 @@ A tiny session of our suites runs against the reference engine with the granular
 (`kvconform run`, so the main job is exercised end to end): the partial-block checks and the
 block-size sweep fail, the repeated-prompt check passes. The report must render its overview
 (title, counts, one tree leaf per check), and a failed check must show its measurements and,
-for the sweep, its plot as a decoded image. Screenshots go to the results dir and to Allure.
+for the sweep, its plot as a decoded image; the page must request nothing outside itself.
+Screenshots go to the results dir and to Allure.
 
 Chromium is driven over the DevTools protocol on a pipe (--remote-debugging-pipe): no port,
 no websocket library. Needs the Debian package `chromium` and Node.js/npm; skipped with the
@@ -100,6 +101,7 @@ class Chromium:
         self._buf = b""
         self._id = 0
         self.session: str | None = None
+        self.requests: list[str] = []  # every URL the page asked for (Network domain)
 
     def _message(self, deadline: float) -> dict[str, Any]:
         while b"\0" not in self._buf:
@@ -124,6 +126,8 @@ class Chromium:
         deadline = time.monotonic() + 30
         while True:
             reply = self._message(deadline)
+            if reply.get("method") == "Network.requestWillBeSent":
+                self.requests.append(reply["params"]["request"]["url"])
             if reply.get("id") == self._id:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
@@ -135,6 +139,7 @@ class Chromium:
         attached = self.send("Target.attachToTarget", {"targetId": page["targetId"], "flatten": True}, True)
         self.session = attached["sessionId"]
         self.send("Page.enable")
+        self.send("Network.enable")
         self.send(
             "Emulation.setDeviceMetricsOverride",
             {"width": VIEWPORT[0], "height": VIEWPORT[1], "deviceScaleFactor": 1, "mobile": False},
@@ -321,4 +326,9 @@ def test_report_of_a_failing_run_renders(
     sweep_violated = [m["name"] for m in _record(records, PLOT_CHECK)["measures"] if m.get("ok") is False]
     assert sweep_violated and sweep_violated[0] in _attachment_text(browser, "measurements")
     path = _save(request, "report-failed-check.png", browser.screenshot())
+
+    # the report is self-contained: nothing but itself and its inline data was requested
+    browser.js("1")  # drain pending events
+    outside = [u for u in browser.requests if not u.startswith(("file:", "data:", "blob:", "about:"))]
+    assert not outside, f"the report called out: {outside[:5]}"
     print(f"screenshots in {path.parent}; the report run took {failing_run['seconds']:.1f}s")
