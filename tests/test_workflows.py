@@ -277,8 +277,6 @@ def test_nightly_covers_the_engines_and_gates_its_own_artifacts() -> None:
     assert {c.argv[3] for c in builds} == set(engines)  # `kvconform env build <engine>` in every job...
     build_step = next(s for s in job["steps"] if "env build" in s.get("run", ""))
     assert build_step["if"] == "matrix.engine != 'reference'"  # ...but the reference engine needs none
-    missing = [e for e in set(engines) - {"reference"} if not (ROOT / "ci" / "envs" / f"{e}.toml").is_file()]
-    assert not missing, f"no environment spec ci/envs/<engine>.toml for {sorted(missing)}"
 
 
 def test_gate_workflow_engines_are_known() -> None:
