@@ -173,6 +173,8 @@ class EngineAdapter(ABC):
     recomputes_last_token: ClassVar[bool] = True
     # Logical metric -> this engine's metric name (Prometheus sample name).
     metric_names: ClassVar[dict[str, str]] = {}
+    # Logical counters the engine exports only after their first event (absent reads 0).
+    lazy_counters: ClassVar[frozenset[str]] = frozenset()
     model: ClassVar[ModelShape] = ModelShape()
     # Environment spec under ci/envs/ (None: runs in the suite's own environment).
     env_spec: ClassVar[str | None] = None
@@ -298,6 +300,10 @@ class EngineAdapter(ABC):
     def reset_prefix_cache(self) -> None:
         raise NotImplementedError
 
+    def queried_tokens(self, prompt_tokens: int) -> int:
+        """Tokens the engine's query counter should move by for one prompt."""
+        return prompt_tokens
+
     def metrics(self) -> MetricSnapshot:
         raise NotImplementedError
 
@@ -310,6 +316,8 @@ class EngineAdapter(ABC):
         for pair in filter(None, label_text.rstrip("}").split(",")):
             key, _, value = pair.partition("=")
             labels.setdefault(key.strip(), value.strip().strip('"'))
+        if logical in self.lazy_counters and not snapshot.has(name):
+            return 0.0  # a counter the engine creates on first use: absent means 0
         return snapshot.value(name, **labels)
 
     def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
@@ -318,6 +326,10 @@ class EngineAdapter(ABC):
     def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
         """(tokens the router predicted cached, what the worker then reported)."""
         raise NotImplementedError
+
+    def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
+        """KV events the router failed to apply, by status (None: the engine does not say)."""
+        return None
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
         return {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
@@ -421,12 +433,40 @@ class EngineAdapter(ABC):
         {"second_refused": bool, "free_delta_on_second": int, "detail": str}."""
         raise NotImplementedError
 
+    # ---- engine-internal structures (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER)
+    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
+        """A fresh engine radix cache, driven step by step with radix()."""
+        raise NotImplementedError
+
+    def radix(self, op: str, **args: Any) -> Any:
+        """insert / match / lock / unlock / evict / stats / take_events on that radix cache."""
+        raise NotImplementedError
+
+    def radix_index(self, op: str, **args: Any) -> Any:
+        """A router-side prefix index fed by KV events: tree_new / tree_apply / tree_match /
+        tree_dump / block_hashes (events in kvconform's plain form, see the Dynamo driver)."""
+        raise NotImplementedError
+
+    def replay(
+        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
+    ) -> dict[str, Any]:
+        """Offline replay of a trace of requests (hash_ids per block) in simulated time."""
+        raise NotImplementedError
+
+    def block_tracker(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One call to the router's active-block tracker service: (HTTP status, JSON)."""
+        raise NotImplementedError
+
     # ---- memory churn (INSTANCE_CHURN) -------------------------------------------------
     churn_paths: ClassVar[tuple[str, ...]] = ()
 
     def churn_cycles(self, path: str, requested: int) -> int:
         """Cycles to run for a release path (slow paths, e.g. a 30 s reaper, may run fewer)."""
         return requested
+
+    def churn_warmup_path(self, path: str) -> str:
+        """Release path of the warm-up cycles (a cheaper one where the path is slow)."""
+        return path
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
         """One instance lifecycle: create, load with `tokens`, release through `path`."""

@@ -311,7 +311,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     name = _engine_of(item)
     if rep.failed and name is not None:
         report.attach_failure_context(item, kv_session(item.config).adapters.get(name))
-    if rep.when == "teardown" or (rep.when == "setup" and not rep.passed):
+    if rep.when == "teardown":  # every test has one, skipped or not: one record per test
         if verdict is not None:
             report.attach_verdict(verdict)
         adapter = kv_session(item.config).adapters.get(name) if name else None

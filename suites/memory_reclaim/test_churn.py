@@ -89,7 +89,7 @@ def test_churn_returns_to_baseline(
     block = engine.block_size()
     system = prompts.fresh(4 * block)
     for warmup in range(WARMUP_CYCLES):  # allocator pools and caches settle first
-        engine.churn_cycle(path, -1 - warmup, prompts.extend(system, 6 * block))
+        engine.churn_cycle(engine.churn_warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
     kinds = {name: m.exact for name, m in engine.reclaim_probe().items()}
     baseline_measures = engine.reclaim_probe()
     baseline = settled(engine.reclaim_probe, None, window_s=1.0)

@@ -47,8 +47,8 @@ def test_repeated_prompt_served_from_cache(
     verdict.record("prompt_tokens", len(prompt), "tokens")
     verdict.equal("cached_tokens_in_response", second.cached_tokens, expected, "tokens")
     if before is not None:
-        queried, hits = wait_counted(cache, before, len(prompt))
-        verdict.equal("prefix_queries_counter_delta", queried, len(prompt), "tokens")
+        queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
+        verdict.equal("prefix_queries_counter_delta", queried, cache.queried_tokens(len(prompt)), "tokens")
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
     verdict.conclude()
 
@@ -74,7 +74,7 @@ def test_reset_drops_cached_prefix(
     after = cache.serve_prompt(prompt)
     verdict.equal("cached_tokens_after_reset", after.cached_tokens, 0, "tokens")
     if before is not None:
-        _queried, hits = wait_counted(cache, before, len(prompt))
+        _queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
         verdict.equal("prefix_hits_counter_delta_after_reset", hits, 0, "tokens")
     verdict.conclude()
 
@@ -112,6 +112,6 @@ def test_partial_block_prefix_hits_match_oracle(
         note=f"oracle floor({shared}/{block_size})*{block_size}",
     )
     if before is not None:
-        _queried, hits = wait_counted(engine, before, len(second))
+        _queried, hits = wait_counted(engine, before, engine.queried_tokens(len(second)))
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
     verdict.conclude()

@@ -45,8 +45,8 @@ def test_evicted_prefix_not_reported_as_hit(
     )
     verdict.record("output_identical_to_cold_run", int(again.output == cold.output))
     if before is not None:
-        queried, hits = wait_counted(engine, before, len(target))
-        verdict.equal("queried_tokens_counter_delta", queried, len(target), "tokens")
+        queried, hits = wait_counted(engine, before, engine.queried_tokens(len(target)))
+        verdict.equal("queried_tokens_counter_delta", queried, engine.queried_tokens(len(target)), "tokens")
         verdict.equal("hit_tokens_counter_delta", hits, again.cached_tokens, "tokens")
         verdict.expect("hits_plus_misses_cover_queries", hits + (queried - hits), "==", queried)
     verdict.conclude()

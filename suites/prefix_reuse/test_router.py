@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.base import Capability as C
-from adapters.base import EngineAdapter, EngineConfig
+from adapters.base import EngineAdapter, EngineConfig, poll_until
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from suites.prefix_reuse.test_eviction import fill_cache
@@ -26,6 +26,7 @@ def test_router_prediction_matches_worker(
     system = prompts.fresh(4 * block + 3)
     workload = [prompts.extend(system, 6 * block + i) for i in range(4)]
     workload += [workload[0], workload[2]]
+    before = engine.metrics()
     mismatches = []
     rows = []
     for phase in ("warm", "after_eviction"):
@@ -41,4 +42,18 @@ def test_router_prediction_matches_worker(
     verdict.record("requests", len(rows))
     verdict.record("predicted_vs_cached", "; ".join(f"{p}/{c}" for _ph, _n, p, c in rows))
     verdict.equal("mispredicted_requests", len(mismatches), 0, note="; ".join(mismatches[:6]))
+    after = engine.metrics()
+    errors = engine.router_event_errors(before, after)
+    if errors is not None:
+        verdict.equal("router_events_not_applied_ok", sum(errors.values()), 0, "events", note=str(errors))
+    if "active_blocks" in engine.metric_names:
+        drained = poll_until(lambda: engine.metric("active_blocks", engine.metrics()) == 0, timeout_s=10.0)
+        verdict.equal(
+            "active_blocks_after_requests",
+            engine.metric("active_blocks", engine.metrics()),
+            0,
+            "blocks",
+            note="the router's view of blocks held once every request finished",
+        )
+        verdict.record("drained", int(drained))
     verdict.conclude()

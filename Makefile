@@ -1,0 +1,43 @@
+# Two entry points (see README): `make main` (the main job) and `make test` (the project's tests).
+# Everything else here is how they get a working environment on a fresh machine.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+REAL_ENGINES ?= vllm lmcache sglang dynamo
+RESULTS ?= results
+
+.PHONY: main test lint selftest engines venv clean
+
+venv: $(VENV)/.ready
+
+# torch first, pinned to the CPU build, so nothing pulls a multi-GB CUDA torch.
+$(VENV)/.ready: pyproject.toml
+	@echo "[setup] suite environment in $(VENV)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --progress-bar off "torch==2.13.0+cpu" \
+	  || $(BIN)/python -m pip install -q --progress-bar off "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install -q --progress-bar off -e '.[dev]'
+	touch $@
+
+# The main job: every suite against the default (reference) engine, with the Allure report.
+main: venv
+	$(BIN)/kvconform run --results-dir $(RESULTS)/main --report-dir $(RESULTS)/main/report
+
+# The project's tests: lint, harness self-tests + mutation matrix + contract tests, then the
+# suites against the real engines (each in its own cached environment).
+test: lint selftest engines
+
+lint: venv
+	$(BIN)/ruff check .
+
+selftest: venv
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --results-dir $(RESULTS)/selftest
+
+engines: venv
+	$(BIN)/kvconform env build $(REAL_ENGINES)
+	$(BIN)/python -m pytest suites $(addprefix --engine ,$(REAL_ENGINES)) \
+	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs
+
+clean:
+	rm -rf $(VENV) $(RESULTS)
