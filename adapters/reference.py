@@ -240,7 +240,8 @@ class ReferenceAdapter(EngineAdapter):
         self.post_json("/admin/offload", {"fail_stores": fail})
 
     # ---- instances (memory churn) --------------------------------------------------------
-    INSTANCE_BYTES = 4 * 2**20
+    # Imported KV per churn instance; the reclaim-power benchmark shrinks it to one block.
+    INSTANCE_BYTES = int(os.environ.get("KVCONFORM_REF_INSTANCE_BYTES", 4 * 2**20))
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
         instance_id = f"churn-{index}"

@@ -20,6 +20,7 @@ from adapters.base import (
 from kvconform.drivers import DRIVERS_DIR
 from kvconform.errors import EngineError
 from kvconform.events import EventLedger
+from kvconform.memory import MemoryMeasure, nvml
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
 from kvconform.zmq_events import ZmqEventSubscriber
@@ -80,6 +81,7 @@ class VllmAdapter(EngineAdapter):
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.server: LaunchedServer | None = None
+        self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
         self.subscriber: ZmqEventSubscriber | None = None
         self._model_dir: Path | None = None
 
@@ -333,8 +335,47 @@ class VllmAdapter(EngineAdapter):
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server else []
 
-    def event_stream_gaps_filled(self) -> int:
-        return self.subscriber.fill_gaps() if self.subscriber else 0
+    def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, object]:
+        return {"model": MODEL_NAME, **super().completion_body(tokens, max_tokens, stream)}
+
+    def drain_events(self) -> int:
+        if self.subscriber is None:
+            return 0
+        time.sleep(1.0)  # vLLM publishes from a background thread after each engine step
+        return self.subscriber.fill_gaps()
+
+    # ---- instance churn: whole-server restart cycles -------------------------------------
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, object]:
+        """Start the server (if it is not running), load it, stop it: the process tree must
+        be gone and its /dev/shm files removed, every cycle."""
+        if path != "restart":
+            raise NotImplementedError(f"vLLM has no release path {path!r}")
+        self.ensure(self.config or EngineConfig())
+        for shift in range(3):
+            self.serve_prompt(tokens[: len(tokens) - shift])
+        reports = self.stop()
+        for report in reports:
+            self.churn_leftovers["processes"] += len(report.leftover_processes)
+            self.churn_leftovers["shm_bytes"] += sum(report.leftover_shm.values())
+        return {"teardown": [r.describe() for r in reports]}
+
+    def churn_cycles(self, path: str, requested: int) -> int:
+        return min(requested, 3)  # each cycle is a ~35 s server start on CPU
+
+    def churn_warmup_path(self, path: str) -> str:
+        return path
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """What the released servers left: processes and /dev/shm bytes found (and removed)
+        at teardown, cumulative over cycles; NVML device memory on GPU runners."""
+        measures = {
+            "restart_leftover_processes": MemoryMeasure(self.churn_leftovers["processes"], True, "processes"),
+            "restart_leftover_shm_bytes": MemoryMeasure(self.churn_leftovers["shm_bytes"], True),
+        }
+        probe = nvml()
+        if probe.available:
+            measures["gpu_device_used_bytes"] = MemoryMeasure(probe.sample([]).device_used, exact=True)
+        return measures
 
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""

@@ -246,6 +246,13 @@ class EngineProcess:
     def _leftover_shm(self) -> dict[str, int]:
         candidates = set(self._held_shm)
         candidates |= set(_shm_listing(self.shm_patterns)) - set(self._shm_before)
+        # A file another live engine process still holds is not this tree's leftover (an
+        # LMCache server maps segments its clients created and still own).
+        with _LIVE_LOCK:
+            others = [proc for proc in _LIVE if proc is not self]
+        for other in others:
+            if other.alive():
+                candidates -= set(shm_held_by(other.pids()))
         left = {}
         for name in sorted(candidates):
             with contextlib.suppress(OSError):
