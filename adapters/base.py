@@ -165,6 +165,7 @@ class EngineAdapter(ABC):
             Capability.INSTANCE_CHURN,
             Capability.HOST_MEMORY,
             Capability.OFFLOAD_STORE_FAILURE,
+            Capability.LONG_SESSION,
         }
     )
     default_block_size: ClassVar[int] = 16
@@ -232,8 +233,14 @@ class EngineAdapter(ABC):
         return self.capabilities
 
     def block_size(self) -> int:
+        if self.attached:
+            return self.attached_block_size()
         if self.config is not None and self.config.block_size is not None:
             return self.config.block_size
+        return self.default_block_size
+
+    def attached_block_size(self) -> int:
+        """Attach mode: the block size the running server reports (default: the adapter's)."""
         return self.default_block_size
 
     # ---- lifecycle ----------------------------------------------------------------------

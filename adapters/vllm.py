@@ -77,13 +77,26 @@ class VllmAdapter(EngineAdapter):
         "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
     }
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
+    # Attached, the suite neither binds the server's event sockets nor configures its
+    # offload tier: those checks need launch mode.
+    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
+        C.KV_EVENTS, C.OFFLOAD_GAUGES, C.OFFLOAD_HOST_HITS,
+    }
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.server: LaunchedServer | None = None
         self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
+        self._attached_block: int | None = None
         self.subscriber: ZmqEventSubscriber | None = None
         self._model_dir: Path | None = None
+
+    def attached_block_size(self) -> int:
+        """vllm:cache_config_info carries the server's block size as a label."""
+        if self._attached_block is None:
+            labels = self.metrics().labels_of("vllm:cache_config_info")
+            self._attached_block = int(labels[0]["block_size"]) if labels else self.default_block_size
+        return self._attached_block
 
     def attached_version(self) -> str:
         try:

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import pytest
 
 from adapters.base import EngineAdapter
+from kvconform.memory import MemoryMeasure
 
 NOISY_TOLERANCE_BYTES = 16 * 2**20
 NOISY_SLOPE_BYTES = 2 * 2**20
+COUNT_BOUND = 0.5  # counted things (leftover processes): not one may be left
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,15 @@ class Bounds:
     noisy_tolerance: float
     noisy_slope: float
 
-    def tolerance(self, exact: bool) -> float:
-        return self.exact_tolerance if exact else self.noisy_tolerance
+    def tolerance(self, measure: MemoryMeasure) -> float:
+        if measure.unit != "bytes":
+            return COUNT_BOUND
+        return self.exact_tolerance if measure.exact else self.noisy_tolerance
 
-    def slope(self, exact: bool) -> float:
-        return self.exact_slope if exact else self.noisy_slope
+    def slope(self, measure: MemoryMeasure) -> float:
+        if measure.unit != "bytes":
+            return COUNT_BOUND
+        return self.exact_slope if measure.exact else self.noisy_slope
 
 
 def bounds_for(config: pytest.Config, engine: EngineAdapter) -> Bounds:

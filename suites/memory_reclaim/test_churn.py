@@ -90,7 +90,6 @@ def test_churn_returns_to_baseline(
     system = prompts.fresh(4 * block)
     for warmup in range(WARMUP_CYCLES):  # allocator pools and caches settle first
         engine.churn_cycle(engine.churn_warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
-    kinds = {name: m.exact for name, m in engine.reclaim_probe().items()}
     baseline_measures = engine.reclaim_probe()
     baseline = settled(engine.reclaim_probe, None, window_s=1.0)
     values: dict[str, list[float]] = {name: [] for name in baseline}
@@ -103,16 +102,17 @@ def test_churn_returns_to_baseline(
     verdict.record("release_path", path)
     verdict.record("cycles", cycles)
     for name, series in values.items():
-        exact = kinds[name]
+        kind = baseline_measures[name]
+        unit = kind.unit
         trend = theil_sen([baseline[name], *series])
-        verdict.record(f"{name}.baseline", baseline[name], "bytes")
-        verdict.record(f"{name}.per_cycle", ", ".join(f"{v:.0f}" for v in series), "bytes")
+        verdict.record(f"{name}.baseline", baseline[name], unit)
+        verdict.record(f"{name}.per_cycle", ", ".join(f"{v:.0f}" for v in series), unit)
         verdict.expect(
             f"{name}.final_delta",
             series[-1] - baseline[name],
             "<=",
-            bounds.tolerance(exact),
-            "bytes",
+            bounds.tolerance(kind),
+            unit,
             better="lower",
             note="post-release minimum of the last cycle vs baseline",
         )
@@ -120,8 +120,8 @@ def test_churn_returns_to_baseline(
             f"{name}.leak_slope",
             trend.slope,
             "<=",
-            bounds.slope(exact),
-            "bytes/cycle",
+            bounds.slope(kind),
+            f"{unit}/cycle",
             better="lower",
             note=f"Theil-Sen, band [{trend.low:.0f}, {trend.high:.0f}]",
         )
