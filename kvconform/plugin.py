@@ -218,16 +218,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         cls = adapter_class(name)
         caps = cls.capabilities - cls.attach_capabilities_removed if url else cls.capabilities
         for marker in item.iter_markers("requires"):
-            missing = [str(c) for c in marker.args if Capability(c) not in caps]
+            missing = [Capability(c) for c in marker.args if Capability(c) not in caps]
             if missing:
-                mode = (
-                    " in attach mode"
-                    if url and any(Capability(c) in cls.capabilities for c in missing)
-                    else ""
+                named = ", ".join(
+                    f"{c} (in attach mode)" if url and c in cls.capabilities else str(c) for c in missing
                 )
-                item.add_marker(
-                    pytest.mark.skip(reason=f"engine {name} lacks capability {', '.join(missing)}{mode}")
-                )
+                item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))
                 break
         entry = manifest.match(name, session.adapter(name).version, check_id(item))
         if entry is not None:
