@@ -45,9 +45,13 @@ class DriverProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._ids = itertools.count(1)
         threading.Thread(target=self._pump, daemon=True).start()
-        hello = self._next_line(start_timeout_s, "start")
-        if not hello.get("ready"):
-            raise EngineStartError(engine, f"driver said {hello!r} instead of ready", self.log_tail())
+        try:
+            hello = self._next_line(start_timeout_s, "start")
+            if not hello.get("ready"):
+                raise EngineStartError(engine, f"driver said {hello!r} instead of ready", self.log_tail())
+        except Exception:
+            self.process.stop(grace_s=2)  # nobody else holds this driver to close it
+            raise
         self.version: str = hello.get("version", "unknown")
 
     def _pump(self) -> None:

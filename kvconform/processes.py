@@ -152,7 +152,8 @@ class EngineProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         try:
-            self._log.flush()
+            if not self._log.closed:  # stop() closes it; the tail is still on disk
+                self._log.flush()
             data = self.log_path.read_bytes()[-64_000:]
         except OSError:
             return ""
@@ -188,13 +189,18 @@ class EngineProcess:
         forced = False
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
+        escaped: list[str] = []
         if not self._wait_gone(grace_s):
             forced = True
+            # Processes that left the group (setsid) never got the group's signal: the engine
+            # left them behind, so they are leftovers even though the SIGKILL below ends them.
+            escaped = [f"{p.pid}:{_safe_name(p)}" for p in self._survivors() if _pgid(p.pid) != self.pgid]
             self._kill_all()
             self._wait_gone(5.0)
         exit_code = self.popen.poll()
         report = TeardownReport(self.name, exit_code, time.monotonic() - t0, forced)
-        report.leftover_processes = [f"{p.pid}:{_safe_name(p)}" for p in self._survivors()]
+        remaining = [f"{p.pid}:{_safe_name(p)}" for p in self._survivors()]
+        report.leftover_processes = escaped + [p for p in remaining if p not in escaped]
         if report.leftover_processes:
             self._kill_all()
             self._wait_gone(5.0)
@@ -302,6 +308,13 @@ def _group_members(pgid: int) -> list[psutil.Process]:
             if os.getpgid(proc.pid) == pgid and proc.status() != "zombie":
                 members.append(proc)
     return members
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def _shm_listing(patterns: tuple[str, ...]) -> dict[str, int]:

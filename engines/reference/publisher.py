@@ -29,6 +29,8 @@ class EventPublisher:
         self.ctx = zmq.Context.instance()
         self.pub = None
         self.replay = None
+        self._closing = threading.Event()
+        self._replay_thread: threading.Thread | None = None
         if endpoint:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 1000)
@@ -39,7 +41,10 @@ class EventPublisher:
         if replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.bind(replay_endpoint)
-            threading.Thread(target=self._serve_replay, daemon=True, name="event-replay").start()
+            self._replay_thread = threading.Thread(
+                target=self._serve_replay, daemon=True, name="event-replay"
+            )
+            self._replay_thread.start()
 
     def publish(self, events: list[dict[str, Any]]) -> None:
         if not events or self.pub is None:
@@ -56,24 +61,36 @@ class EventPublisher:
             self.buffer.append((seq, payload))
 
     def _serve_replay(self) -> None:
+        # The replay socket lives and dies in this thread: ZMQ sockets are not thread-safe, and
+        # closing it while this thread is blocked in it aborts the process (signaler.cpp assertion).
         assert self.replay is not None
-        while True:
-            try:
-                client, _, start = self.replay.recv_multipart()
-            except (zmq.ZMQError, ValueError):
-                return
-            start_seq = int.from_bytes(start, "big")
-            with self.lock:
-                items = [item for item in self.buffer if item[0] >= start_seq]
-            for seq, payload in items:
-                self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        poller = zmq.Poller()
+        poller.register(self.replay, zmq.POLLIN)
+        try:
+            while not self._closing.is_set():
+                if dict(poller.poll(100)):
+                    self._answer_replay()
+        except (zmq.ZMQError, ValueError):
+            return
+        finally:
+            self.replay.close(linger=0)
+
+    def _answer_replay(self) -> None:
+        assert self.replay is not None
+        client, _, start = self.replay.recv_multipart(zmq.NOBLOCK)
+        start_seq = int.from_bytes(start, "big")
+        with self.lock:
+            items = [item for item in self.buffer if item[0] >= start_seq]
+        for seq, payload in items:
+            self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         if self.pub is not None:
             self.pub.close(linger=500)
-        if self.replay is not None:
-            self.replay.close(linger=0)
+        if self._replay_thread is not None:
+            self._closing.set()
+            self._replay_thread.join(timeout=5)
 
 
 def stored_event(hashes: list[str], parent: str | None, block_size: int, medium: str) -> dict[str, Any]:
