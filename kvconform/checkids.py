@@ -23,3 +23,16 @@ def matches(check_id: str, pattern: str) -> bool:
 
 def matches_any(check_id: str, patterns: list[str] | tuple[str, ...]) -> bool:
     return any(matches(check_id, p) for p in patterns)
+
+
+def from_nodeid(nodeid: str, engines: list[str]) -> tuple[str, str]:
+    """(check id, engine) from a node id alone, for records of tests whose worker died before
+    reporting them (the item itself is gone). Mirrors plugin.check_id for our suites' ids."""
+    path, _, rest = nodeid.partition("::")
+    parts = path.split("/")
+    suite = parts[parts.index("suites") + 1] if "suites" in parts else parts[-1].removesuffix(".py")
+    name, _, params = rest.partition("[")
+    tokens = params.rstrip("]").split("-") if params else []
+    engine = next((t for t in tokens if t in engines), "-")
+    kept = [t for t in tokens if t != engine]
+    return f"{suite}::{name}" + (f"[{'-'.join(kept)}]" if kept else ""), engine

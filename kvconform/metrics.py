@@ -81,7 +81,8 @@ def parse_prometheus(text: str, engine: str = "?", source: str = "/metrics") -> 
         raise EngineError(
             engine, f"{source} is not Prometheus text ({type(exc).__name__}: {exc}); starts with {first}"
         ) from None
-    if text.strip() and not snapshot.samples:
+    has_sample_lines = any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines())
+    if has_sample_lines and not snapshot.samples:
         raise EngineError(engine, f"{source} has no samples; starts with {text.strip()[:120]!r}")
     return snapshot
 

@@ -15,7 +15,7 @@ import pytest
 from adapters import ADAPTERS, adapter_class
 from adapters.base import AdapterContext, Capability, EngineAdapter
 from kvconform import findings, report
-from kvconform.checkids import matches
+from kvconform.checkids import from_nodeid, matches
 from kvconform.errors import KvconformError
 from kvconform.memory import nvml
 from kvconform.processes import stop_all_live
@@ -127,8 +127,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _validate_options(config: pytest.Config) -> None:
     engines = selected_engines(config)
-    for name in engines:
-        adapter_class(name)
+    unknown_engines = [name for name in engines if name not in ADAPTERS]
+    if unknown_engines:
+        adapter_class(unknown_engines[0])  # raises the one-line "unknown engine" error
     url = config.getoption("--engine-url")
     if url and len(engines) != 1:
         raise KvconformError("--engine-url attaches to one engine; give exactly one --engine")
@@ -141,6 +142,8 @@ def _validate_options(config: pytest.Config) -> None:
         unknown = [f for f in faults if f not in FAULTS]
         if unknown:
             raise KvconformError(f"unknown fault(s) {unknown} (known: {', '.join(FAULTS)})")
+    for name in engines:
+        adapter_class(name)  # imports the adapter (torch for the reference engine): last
     if _is_worker(config):
         return  # the controller already probed engines and URLs
     kv_session_probe = KvSession(config)
@@ -249,8 +252,7 @@ def check_id(item: pytest.Item) -> str:
     name = getattr(item, "originalname", item.name)
     callspec = getattr(item, "callspec", None)
     if callspec is not None:
-        engine = callspec.params.get("engine_name")
-        ids = [p for p in callspec.id.split("-") if p != engine]
+        ids = [str(value) for key, value in callspec.params.items() if key != "engine_name"]
         if ids:
             name += "[" + "-".join(ids) + "]"
     return f"{suite}::{name}"
@@ -351,7 +353,8 @@ class _RecordCollector:
             if report.when != "???":  # only the final phase of a test carries the record
                 return
             # pytest-xdist: the worker died mid-test; keep the record, nothing is lost.
-            payload = {"check": report.nodeid, "engine": "-", "engine_version": "-", "measures": []}
+            check, engine = from_nodeid(report.nodeid, selected_engines(self.config))
+            payload = {"check": check, "engine": engine, "engine_version": "-", "measures": []}
         self.partial.pop(report.nodeid, None)
         self.writer.write(
             CheckRecord(

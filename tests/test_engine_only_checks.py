@@ -57,18 +57,6 @@ PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 FAULTS = faults_by_double()
-# Check defects this file found (reported; the suites are not ours to edit). Strict: once the
-# check is fixed these cases pass, and the marker must go.
-MULTIPLE_BUGS = (
-    "check defect: when Hypothesis finds two distinct failures (a live query and the replayed dump "
-    "disagree at different asserts) it raises an ExceptionGroup, which `except AssertionError` in "
-    "the check does not catch, so the check fails without its verdict; fix: report_multiple_bugs=False "
-    "in RUN (suites/prefix_reuse/test_radix_index.py, same pattern in test_radix_cache.py)"
-)
-CHECK_DEFECTS: dict[tuple[str, str], str] = {
-    ("testdouble_radix_index", "removal_prunes_subtree"): MULTIPLE_BUGS,
-    ("testdouble_radix_index", "clear_clears_all_workers"): MULTIPLE_BUGS,
-}
 
 
 def run_double(results: Path, double: str, fault: str | None, checks: list[str], plugin: bool = True):
@@ -127,13 +115,7 @@ def test_correct_double_passes_every_check(outcomes, double: str) -> None:
 
 @pytest.mark.parametrize(
     "double, fault",
-    [
-        pytest.param(d, f, marks=[pytest.mark.xfail(strict=True, reason=CHECK_DEFECTS[(d, f)])])
-        if (d, f) in CHECK_DEFECTS
-        else (d, f)
-        for d in sorted(DOUBLES)
-        for f in sorted(FAULTS[d])
-    ],
+    [(d, f) for d in sorted(DOUBLES) for f in sorted(FAULTS[d])],
     ids=lambda x: x,
 )
 def test_fault_fails_its_checks_with_numbers(outcomes, double: str, fault: str) -> None:

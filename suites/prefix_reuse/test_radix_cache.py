@@ -32,6 +32,7 @@ RUN = settings(
     max_examples=20,
     stateful_step_count=25,
     deadline=None,
+    report_multiple_bugs=False,  # one verdict per run: the first (shrunk) violation
     derandomize=True,
     suppress_health_check=list(HealthCheck),
 )

@@ -29,6 +29,7 @@ RUN = settings(
     max_examples=15,
     stateful_step_count=30,
     deadline=None,
+    report_multiple_bugs=False,  # one verdict per run: the first (shrunk) violation
     derandomize=True,
     suppress_health_check=list(HealthCheck),
 )
