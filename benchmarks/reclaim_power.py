@@ -26,8 +26,23 @@ LEAKS = [4096, 8192, BLOCK_BYTES, 4 * BLOCK_BYTES, 64 * BLOCK_BYTES]
 
 def run(results: Path, cycles: int, instance_bytes: int, fault: str | None) -> dict:
     env = {**os.environ, "KVCONFORM_REF_INSTANCE_BYTES": str(instance_bytes)}
-    args = [sys.executable, "-m", "pytest", "suites/memory_reclaim", "--engine", "reference", "--check", CHECK,
-            "--churn-cycles", str(cycles), "--results-dir", str(results), "-q", "-p", "no:cacheprovider"]
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "suites/memory_reclaim",
+        "--engine",
+        "reference",
+        "--check",
+        CHECK,
+        "--churn-cycles",
+        str(cycles),
+        "--results-dir",
+        str(results),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
     if fault:
         args += ["--fault", fault]
     t0 = time.monotonic()
@@ -49,7 +64,10 @@ def main() -> None:
         row = run(out / f"leak-{leak}", args.cycles, leak, "leak_on_unregister")
         row["leak_bytes_per_cycle"] = leak
         report["leaks"].append(row)
-        print(f"leak {leak:>8} B/cycle ({leak / BLOCK_BYTES:.2f} blocks): {row['outcome']} {row['slopes']}", flush=True)
+        print(
+            f"leak {leak:>8} B/cycle ({leak / BLOCK_BYTES:.2f} blocks): {row['outcome']} {row['slopes']}",
+            flush=True,
+        )
     for i in range(args.clean_runs):
         row = run(out / f"clean-{i}", args.cycles, BLOCK_BYTES, None)
         report["clean"].append(row)
@@ -58,8 +76,10 @@ def main() -> None:
     report["smallest_detected_leak_bytes"] = min(detected) if detected else None
     report["false_alarms"] = sum(r["outcome"] != "passed" for r in report["clean"])
     (out / "summary.json").write_text(json.dumps(report, indent=1))
-    print(f"smallest leak detected within {args.cycles} cycles: {report['smallest_detected_leak_bytes']} bytes; "
-          f"false alarms: {report['false_alarms']} of {args.clean_runs} clean runs")
+    print(
+        f"smallest leak detected within {args.cycles} cycles: {report['smallest_detected_leak_bytes']} bytes; "
+        f"false alarms: {report['false_alarms']} of {args.clean_runs} clean runs"
+    )
 
 
 if __name__ == "__main__":

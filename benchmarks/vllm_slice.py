@@ -32,8 +32,19 @@ def main() -> None:
     parser.add_argument("--skip-cold", action="store_true")
     args = parser.parse_args()
     kvconform = str(Path(sys.executable).parent / "kvconform")
-    slice_cmd = [sys.executable, "-m", "pytest", "suites/prefix_reuse", "--engine", "vllm", "-q",
-                 "-p", "no:cacheprovider", "--results-dir", "results/bench-vllm"]
+    slice_cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "suites/prefix_reuse",
+        "--engine",
+        "vllm",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--results-dir",
+        "results/bench-vllm",
+    ]
     report = {}
     if not args.skip_cold:
         root = Path(tempfile.mkdtemp(prefix="kvconform-cold-envs-"))
