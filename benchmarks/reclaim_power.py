@@ -77,7 +77,8 @@ def main() -> None:
     report["false_alarms"] = sum(r["outcome"] != "passed" for r in report["clean"])
     (out / "summary.json").write_text(json.dumps(report, indent=1))
     print(
-        f"smallest leak detected within {args.cycles} cycles: {report['smallest_detected_leak_bytes']} bytes; "
+        f"smallest leak detected within {args.cycles} cycles: "
+        f"{report['smallest_detected_leak_bytes']} bytes; "
         f"false alarms: {report['false_alarms']} of {args.clean_runs} clean runs"
     )
 
