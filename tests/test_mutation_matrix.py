@@ -7,7 +7,7 @@ check that ran must be killed by at least one fault (a check that cannot fail is
 Checks the reference engine cannot run are listed in PROVED_ELSEWHERE with the test that
 makes them fail on a faulty input.
 
-The matrix (check x fault) is written to results/mutation-matrix.md and printed on failure.
+The matrix (check x fault) is written to <--results-dir>/mutation-matrix.md.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def run_suites(results: Path, faults: list[str], checks: list[str]) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], dict[str, dict[str, dict]]]:
+def matrix(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[dict[str, dict], dict[str, dict[str, dict]]]:
     base = tmp_path_factory.mktemp("matrix")
     jobs = {"clean": ([], ["*"])}
     for name, fault in FAULTS.items():
@@ -75,11 +77,11 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], d
         futures = {name: pool.submit(run_suites, base / name, *job) for name, job in jobs.items()}
         outcomes = {name: f.result() for name, f in futures.items()}
     clean = outcomes.pop("clean")
-    write_matrix(clean, outcomes)
+    write_matrix(clean, outcomes, Path(request.config.getoption("--results-dir")))
     return clean, outcomes
 
 
-def write_matrix(clean: dict[str, dict], faulty: dict[str, dict[str, dict]]) -> str:
+def write_matrix(clean: dict[str, dict], faulty: dict[str, dict[str, dict]], out: Path) -> str:
     mark = {"passed": ".", "failed": "F", "error": "E", "skipped": "s", "xfailed": "x"}
     checks = sorted(clean)
     lines = ["| check | clean | " + " | ".join(faulty) + " |", "|---|---|" + "---|" * len(faulty)]
@@ -90,7 +92,6 @@ def write_matrix(clean: dict[str, dict], faulty: dict[str, dict[str, dict]]) -> 
             row.append(mark.get(record["outcome"], "?") if record else " ")
         lines.append(f"| {check} | " + " | ".join(row) + " |")
     text = "\n".join(lines)
-    out = ROOT / "results"
     out.mkdir(exist_ok=True)
     (out / "mutation-matrix.md").write_text(
         "Mutation matrix: F = the check failed under the fault (killed), . = passed, s = skipped\n\n"
