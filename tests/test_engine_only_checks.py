@@ -153,7 +153,7 @@ def test_every_check_is_killed_by_a_fault(outcomes, double: str) -> None:
 def test_proved_elsewhere_points_here_for_exactly_these_checks() -> None:
     from tests.test_mutation_matrix import PROVED_ELSEWHERE
 
-    proved = {c for _, checks in PROVES.values() for c in checks}
+    proved = {c for _, checks in PROVES.values() for c in checks} | {CROSS_STACK_CHECK}
     listed = {c for c, test in PROVED_ELSEWHERE.items() if test == THIS}
     assert listed == proved, (
         f"PROVED_ELSEWHERE -> {THIS} lists {sorted(listed - proved)} that this file does not prove, "
@@ -167,3 +167,48 @@ def test_doubles_exist_only_with_their_plugin(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "unknown engine 'testdouble_replay'" in proc.stdout + proc.stderr, (
         proc.stdout[-1000:] + proc.stderr[-1000:]
     )
+
+
+CROSS_STACK = "suites/prefix_reuse/test_cross_stack.py"
+CROSS_STACK_CHECK = "prefix_reuse::test_events_replayed_into_router_index_match"
+
+
+def run_cross_stack(results: Path, fault: str | None) -> dict[str, dict]:
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        CROSS_STACK,
+        "--engine",
+        "testdouble_radix_cache",
+        "--engine",
+        "testdouble_radix_index",
+        "--results-dir",
+        str(results),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "-p",
+        "tests.doubles.plugin",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != FAULT_ENV}
+    if fault:
+        env[FAULT_ENV] = fault
+    subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    records = json.loads((results / "results.json").read_text())["records"]
+    return {r["check"]: r for r in records if r["engine"] == "testdouble_radix_cache"}
+
+
+@pytest.mark.parametrize("fault", [None, "index_ignores_removed"])
+def test_cross_stack_check_passes_clean_and_fails_on_a_stale_index(tmp_path: Path, fault: str | None) -> None:
+    """The cross-stack check (events of one stack replayed into another's index) with a
+    radix-cache double producing the events and an index double consuming them."""
+    records = run_cross_stack(tmp_path, fault)
+    record = records[CROSS_STACK_CHECK]
+    if fault is None:
+        assert record["outcome"] == "passed", record["message"]
+    else:
+        assert record["outcome"] == "failed", record
+        assert "VIOLATED" in record["message"], record["message"]

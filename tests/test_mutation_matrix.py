@@ -34,6 +34,7 @@ PROVED_ELSEWHERE: dict[str, str] = {
     "prefix_reuse::test_trace_replay_reuse_matches_oracle": "tests/test_engine_only_checks.py",
     "transfer::test_handoff_time_matches_bytes_over_bandwidth": "tests/test_engine_only_checks.py",
     "transfer::test_block_tracker_ownership_and_drain": "tests/test_engine_only_checks.py",
+    "prefix_reuse::test_events_replayed_into_router_index_match": "tests/test_engine_only_checks.py",
 }
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import zmq
 
 from engines.reference.publisher import EventPublisher, cleared_event, removed_event, stored_event
 from kvconform.events import EventLedger
@@ -172,5 +173,14 @@ def test_publisher_closes_while_its_replay_socket_waits() -> None:
     publisher = EventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_ep, TOPIC, frozenset())
     time.sleep(0.2)  # the replay thread is now waiting in poll
     publisher.close()
-    again = EventPublisher(None, replay_ep, TOPIC, frozenset())  # binds the same port
+    # ZMQ releases a closed listener from its I/O thread, shortly after close() returns.
+    deadline = time.monotonic() + 3.0
+    while True:
+        try:
+            again = EventPublisher(None, replay_ep, TOPIC, frozenset())  # binds the same port
+            break
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     again.close()

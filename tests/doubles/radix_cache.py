@@ -69,7 +69,7 @@ class _Page:
     id: int
     tokens: tuple[int, ...]
     parent: _Page | None
-    hash: str
+    hash: int | str
     children: dict[tuple[int, ...], _Page] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
@@ -152,7 +152,10 @@ class RadixCache:
             now = next(self.clock)
             new = []
             for page in pages:
-                digest = hashlib.sha256(f"{last.hash}|{page}".encode()).hexdigest()[:16]
+                # a signed 64-bit block hash chained over the parent, as SGLang publishes them
+                digest = int.from_bytes(
+                    hashlib.sha256(f"{last.hash}|{page}".encode()).digest()[:8], "big", signed=True
+                )
                 child = _Page(next(self.ids), page, last, digest, last_access=now)
                 last.children[page] = child
                 self.handles[child.id] = child
@@ -233,8 +236,8 @@ class RadixCache:
         }
 
     def take_events(self, dynamo_format: bool = False) -> list[dict[str, Any]]:
-        if dynamo_format:
-            raise NotImplementedError("the radix cache double records SGLang's plain event form only")
+        # Without tenant namespaces (extra_key / cache_salt), SGLang's two event formats are
+        # identical, so the double serves both from one record.
         events, self.events = self.events, []
         return events
 

@@ -64,13 +64,20 @@ def test_nvml_sees_known_allocation() -> None:
     torch.cuda.empty_cache()
     after = probe.sample([pid])
     other = probe.sample([pid + 10_000_000])  # a pid that is not ours sees none of it
-    write("nvml_known_allocation", {
-        "platform": probe.describe(), "allocated": KV_BYTES,
-        "process_before": before.process_used, "process_during": during.process_used,
-        "process_after": after.process_used, "device_before": before.device_used,
-        "device_during": during.device_used, "device_after": after.device_used,
-        "other_pid_during": other.process_used,
-    })
+    write(
+        "nvml_known_allocation",
+        {
+            "platform": probe.describe(),
+            "allocated": KV_BYTES,
+            "process_before": before.process_used,
+            "process_during": during.process_used,
+            "process_after": after.process_used,
+            "device_before": before.device_used,
+            "device_during": during.device_used,
+            "device_after": after.device_used,
+            "other_pid_during": other.process_used,
+        },
+    )
     assert during.process_used - before.process_used >= KV_BYTES
     assert after.process_used <= before.process_used + 64 * MiB
     assert other.process_used == 0
@@ -116,16 +123,29 @@ def churn(collect: bool) -> dict:
         if proc.is_alive():
             proc.kill()
     trend = theil_sen(per_cycle)
-    return {"collect": collect, "baseline": baseline, "per_cycle": per_cycle, "slope": trend.slope,
-            "final_delta": per_cycle[-1] - per_cycle[0]}
+    return {
+        "collect": collect,
+        "baseline": baseline,
+        "per_cycle": per_cycle,
+        "slope": trend.slope,
+        "final_delta": per_cycle[-1] - per_cycle[0],
+    }
 
 
 def test_cuda_ipc_churn_needs_ipc_collect() -> None:
     bound = KV_BYTES / 2  # the reclaim verdict's "half a block": here half an allocation
     with_collect = churn(collect=True)
     without = churn(collect=False)
-    write("cuda_ipc_churn", {"kv_bytes": KV_BYTES, "cycles": CYCLES, "slope_bound": bound,
-                             "with_ipc_collect": with_collect, "without_ipc_collect": without,
-                             "platform": nvml().describe()})
+    write(
+        "cuda_ipc_churn",
+        {
+            "kv_bytes": KV_BYTES,
+            "cycles": CYCLES,
+            "slope_bound": bound,
+            "with_ipc_collect": with_collect,
+            "without_ipc_collect": without,
+            "platform": nvml().describe(),
+        },
+    )
     assert with_collect["slope"] <= bound, f"with ipc_collect memory still grew: {with_collect}"
     assert without["slope"] > bound, f"without ipc_collect the check saw no growth: {without}"
