@@ -177,6 +177,7 @@ class EngineAdapter(ABC):
     # Logical counters the engine exports only after their first event (absent reads 0).
     lazy_counters: ClassVar[frozenset[str]] = frozenset()
     model: ClassVar[ModelShape] = ModelShape()
+    workers: ClassVar[int] = 1  # serving workers behind the endpoint (a router spreads requests)
     # Environment spec under ci/envs/ (None: runs in the suite's own environment).
     env_spec: ClassVar[str | None] = None
 

@@ -41,7 +41,7 @@ class DynamoAdapter(EngineAdapter):
     env_spec = "dynamo"
     default_block_size = 16
     model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
-    workers = WORKERS
+    workers: ClassVar[int] = WORKERS
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,

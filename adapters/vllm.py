@@ -80,7 +80,9 @@ class VllmAdapter(EngineAdapter):
     # Attached, the suite neither binds the server's event sockets nor configures its
     # offload tier: those checks need launch mode.
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
-        C.KV_EVENTS, C.OFFLOAD_GAUGES, C.OFFLOAD_HOST_HITS,
+        C.KV_EVENTS,
+        C.OFFLOAD_GAUGES,
+        C.OFFLOAD_HOST_HITS,
     }
 
     def __init__(self, ctx: AdapterContext) -> None:

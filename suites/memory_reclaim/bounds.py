@@ -18,6 +18,10 @@ from kvconform.memory import MemoryMeasure
 NOISY_TOLERANCE_BYTES = 16 * 2**20
 NOISY_SLOPE_BYTES = 2 * 2**20
 COUNT_BOUND = 0.5  # counted things (leftover processes): not one may be left
+# For the release gate: between two runs, RSS moving less than this is allocator noise (clean
+# runs moved 0.1-3 MB); exact measures get no tolerance.
+RSS_GATE_TOLERANCE_BYTES = 4 * 2**20
+RSS_GATE_SLOPE_TOLERANCE_BYTES = 1 * 2**20
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,11 @@ class Bounds:
         if measure.unit != "bytes":
             return COUNT_BOUND
         return self.exact_tolerance if measure.exact else self.noisy_tolerance
+
+    def gate_tolerance(self, measure: MemoryMeasure, slope: bool = False) -> float:
+        if measure.exact or measure.unit != "bytes":
+            return 0.0
+        return RSS_GATE_SLOPE_TOLERANCE_BYTES if slope else RSS_GATE_TOLERANCE_BYTES
 
     def slope(self, measure: MemoryMeasure) -> float:
         if measure.unit != "bytes":

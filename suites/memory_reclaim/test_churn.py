@@ -114,6 +114,7 @@ def test_churn_returns_to_baseline(
             bounds.tolerance(kind),
             unit,
             better="lower",
+            tolerance=bounds.gate_tolerance(kind),
             note="post-release minimum of the last cycle vs baseline",
         )
         verdict.expect(
@@ -123,6 +124,7 @@ def test_churn_returns_to_baseline(
             bounds.slope(kind),
             f"{unit}/cycle",
             better="lower",
+            tolerance=bounds.gate_tolerance(kind, slope=True),
             note=f"Theil-Sen, band [{trend.low:.0f}, {trend.high:.0f}]",
         )
         verdict.add_series(f"{name} over time", sampler.points.get(name, []))

@@ -15,11 +15,17 @@ pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.FORCED_EVICTION)
 
 
 def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.0) -> int:
-    """Serve unrelated prompts totalling `factor` x the cache capacity; returns tokens served."""
-    capacity = engine.cache_capacity_tokens()
+    """Serve unrelated prompts totalling `factor` x the cache capacity; returns tokens served.
+
+    With several workers behind a router, each worker must receive `factor` x its own
+    capacity: the router spreads fresh prompts at random, so we send 2 x workers x that
+    (with 16+ prompts per worker, a worker getting under half its share is vanishingly rare).
+    """
+    capacity = engine.cache_capacity_tokens()  # per worker
     length = min(1024, max(capacity // 8, engine.block_size() * 4))
+    total = factor * capacity * (1 if engine.workers == 1 else 2 * engine.workers)
     served = 0
-    while served < factor * capacity:
+    while served < total:
         engine.serve_prompt(prompts.fresh(length))
         served += length
     return served
@@ -33,7 +39,12 @@ def test_evicted_prefix_not_reported_as_hit(
     target = prompts.fresh(8 * block)
     cold = engine.serve_prompt(target)
     filler = fill_cache(engine, prompts)
-    verdict.record("filler_tokens", filler, "tokens", note=f"capacity {engine.cache_capacity_tokens()}")
+    verdict.record(
+        "filler_tokens",
+        filler,
+        "tokens",
+        note=f"capacity {engine.cache_capacity_tokens()} per worker, {engine.workers} worker(s)",
+    )
     before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
     again = engine.serve_prompt(target)
     verdict.equal(
