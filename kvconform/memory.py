@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,34 +180,6 @@ def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample
     else:
         sample.gpu_unavailable = probe.reason
     return sample
-
-
-class Sampler:
-    """Samples a changing process set in a background thread, continuously."""
-
-    def __init__(self, pids: Callable[[], list[int]], interval_s: float = 0.25) -> None:
-        self._pids = pids
-        self.interval_s = interval_s
-        self.series: list[MemorySample] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.errors: list[str] = []
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.series.append(sample_processes(self._pids(), with_pss=False))
-            except Exception as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-            self._stop.wait(self.interval_s)
 
 
 def _text(value: object) -> str:

@@ -18,7 +18,6 @@ from kvconform import memory
 from kvconform.memory import (
     MemorySample,
     NvmlProbe,
-    Sampler,
     gpu_measures,
     sample_processes,
     shm_held_by,
@@ -187,11 +186,22 @@ def test_shm_held_by_ignores_dead_pids() -> None:
     assert sample.processes == 0 and sample.rss == 0
 
 
-def test_sampler_collects_in_the_background(use_probe: types.SimpleNamespace) -> None:
-    use_probe.install(None)
-    with Sampler(lambda: [os.getpid()], interval_s=0.02) as sampler:
+def test_periodic_sampler_keeps_a_steady_rate_and_collects_errors() -> None:
+    from kvconform.sampling import PeriodicSampler
+
+    class Probe(PeriodicSampler):
+        def __init__(self) -> None:
+            super().__init__(0.02)
+            self.samples: list[MemorySample] = []
+
+        def sample(self) -> None:
+            if len(self.samples) == 1 and not self.errors:
+                raise RuntimeError("one bad sample")
+            self.samples.append(sample_processes([os.getpid()], with_pss=False))
+
+    with Probe() as sampler:
         deadline = time.monotonic() + 5
-        while len(sampler.series) < 3 and time.monotonic() < deadline:
+        while len(sampler.samples) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-    assert len(sampler.series) >= 3 and not sampler.errors
-    assert all(isinstance(s, MemorySample) and s.gpu is None for s in sampler.series)
+    assert len(sampler.samples) >= 3
+    assert sampler.errors == ["RuntimeError: one bad sample"]

@@ -9,7 +9,6 @@ final delta vs baseline within a tolerance, and a Theil-Sen leak slope below a b
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from kvconform.memory import MemoryMeasure
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.sampling import PeriodicSampler
 from suites.memory_reclaim.bounds import bounds_for
 
 pytestmark = pytest.mark.requires(C.INSTANCE_CHURN)
@@ -45,34 +45,18 @@ def settled(
         time.sleep(0.1)
 
 
-class ContinuousSampler:
+class ContinuousSampler(PeriodicSampler):
+    """Every measure of the engine's reclaim probe, over time."""
+
     def __init__(self, probe: Probe, interval_s: float = 0.25) -> None:
+        super().__init__(interval_s)
         self.probe = probe
-        self.interval_s = interval_s
         self.points: dict[str, list[tuple[float, float]]] = {}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> ContinuousSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sample = self.probe()
-            except Exception:  # the engine may be between instances (restart path)
-                sample = {}
-            with self._lock:
-                for name, measure in sample.items():
-                    self.points.setdefault(name, []).append((time.monotonic() - self._t0, measure.value))
-            self._stop.wait(self.interval_s)
+    def sample(self) -> None:
+        t = self.now()
+        for name, measure in self.probe().items():  # raises between instances: recorded, skipped
+            self.points.setdefault(name, []).append((t, measure.value))
 
 
 @pytest.mark.parametrize("path", RELEASE_PATHS)
