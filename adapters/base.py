@@ -342,6 +342,25 @@ class EngineAdapter(ABC):
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
         return {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
 
+    def openai_completion(self, tokens: list[int], max_tokens: int, **extra: Any) -> ServedPrompt:
+        """POST /v1/completions (OpenAI-compatible) and read the cached tokens it reports."""
+        data = self.post_json("/v1/completions", {**self.completion_body(tokens, max_tokens), **extra})
+        return self.served_from_openai(data, tokens)
+
+    def served_from_openai(self, data: Any, tokens: list[int]) -> ServedPrompt:
+        if not isinstance(data, dict):
+            raise EngineError(self.name, f"/v1/completions returned {type(data).__name__}, not an object")
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        if "cached_tokens" not in details:
+            raise EngineError(self.name, f"response lacks usage.prompt_tokens_details.cached_tokens: {usage}")
+        choice = (data.get("choices") or [{}])[0]
+        return ServedPrompt(
+            int(usage.get("prompt_tokens", len(tokens))),
+            int(details["cached_tokens"] or 0),
+            list(choice.get("token_ids") or []),
+        )
+
     def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
         """Start a streaming completion and drop the connection after a few chunks."""
         resp = self.http.post(

@@ -231,27 +231,18 @@ class DynamoAdapter(EngineAdapter):
         return self.post_json("/v1/completions", body)
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        data = self._complete(tokens, max_tokens)
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        if "cached_tokens" not in details:
-            raise EngineError(self.name, f"response lacks usage.prompt_tokens_details.cached_tokens: {usage}")
-        return ServedPrompt(
-            int(usage.get("prompt_tokens", len(tokens))), int(details["cached_tokens"] or 0), []
-        )
+        return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
 
     def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
         """The router's prediction for this request: nvext.timing.kv_hit_rate is matched
         blocks / prompt blocks, so matched tokens = rate x ceil(n / block) x block."""
         data = self._complete(tokens, 1)
-        usage = data.get("usage") or {}
+        served = self.served_from_openai(data, tokens)
         rate = ((data.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
         if rate is None:
             raise EngineError(self.name, f"response lacks nvext.timing.kv_hit_rate: {data.get('nvext')}")
         block = self.block_size()
-        predicted = round(float(rate) * math.ceil(len(tokens) / block)) * block
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        return predicted, ServedPrompt(int(usage.get("prompt_tokens", len(tokens))), cached, [])
+        return round(float(rate) * math.ceil(len(tokens) / block)) * block, served
 
     def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
         """KV events the router applied with a status other than ok, by status."""

@@ -399,19 +399,7 @@ class TrtllmAdapter(EngineAdapter):
         }
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        data = self.post_json("/v1/completions", self.completion_body(tokens, max_tokens))
-        if not isinstance(data, dict):
-            raise EngineError(self.name, f"/v1/completions returned {type(data).__name__}, not an object")
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        if "cached_tokens" not in details:
-            raise EngineError(self.name, f"response lacks usage.prompt_tokens_details.cached_tokens: {usage}")
-        choice = (data.get("choices") or [{}])[0]
-        return ServedPrompt(
-            int(usage.get("prompt_tokens", len(tokens))),
-            int(details["cached_tokens"] or 0),
-            list(choice.get("token_ids") or []),
-        )
+        return self.openai_completion(tokens, max_tokens)
 
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/prometheus/metrics")

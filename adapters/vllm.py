@@ -302,24 +302,7 @@ class VllmAdapter(EngineAdapter):
 
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        body = {
-            "model": MODEL_NAME,
-            "prompt": tokens,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "return_token_ids": True,
-        }
-        data = self.post_json("/v1/completions", body)
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        if "cached_tokens" not in details:
-            raise EngineError(self.name, f"response lacks usage.prompt_tokens_details.cached_tokens: {usage}")
-        choice = (data.get("choices") or [{}])[0]
-        return ServedPrompt(
-            int(usage.get("prompt_tokens", len(tokens))),
-            int(details["cached_tokens"] or 0),
-            list(choice.get("token_ids") or []),
-        )
+        return self.openai_completion(tokens, max_tokens, return_token_ids=True)
 
     def reset_prefix_cache(self) -> None:
         """Reset the device prefix cache only: vLLM keeps the offload tier unless asked with
