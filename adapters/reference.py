@@ -6,6 +6,7 @@ environment: `pytest suites` works on a fresh checkout. Faults come from --fault
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import sys
@@ -30,7 +31,7 @@ from adapters.base import (
 from engines.reference.server import VERSION
 from kvconform.errors import EngineError
 from kvconform.events import EventLedger
-from kvconform.memory import gpu_measures, sample_processes
+from kvconform.memory import gpu_measures, nvml, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import SHM_DIR, TeardownReport, free_port
 from kvconform.zmq_events import ZmqEventSubscriber
@@ -102,6 +103,7 @@ class ReferenceAdapter(EngineAdapter):
         self.decode: LaunchedServer | None = None
         self.subscriber: ZmqEventSubscriber | None = None
         self.exports: dict[str, tuple[str, int]] = {}
+        self.gpu_exports: dict[str, Any] = {}
 
     @property
     def version(self) -> str:
@@ -251,11 +253,16 @@ class ReferenceAdapter(EngineAdapter):
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         sample = sample_processes(self.engine_pids())
-        return {
+        measures = {
             "engine_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
             "engine_rss_bytes": MemoryMeasure(sample.rss, exact=False),
             **gpu_measures(sample),
         }
+        if sample.gpu is not None:
+            # CUDA-IPC memory stays in the exporter's allocation until the importer collects:
+            # on a dedicated GPU the device-wide figure is what shows it.
+            measures["gpu_device_used_bytes"] = MemoryMeasure(sample.gpu.device_used, exact=True)
+        return measures
 
     def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
         instance_id = f"twice-{time.monotonic_ns()}"
@@ -274,7 +281,19 @@ class ReferenceAdapter(EngineAdapter):
         }
 
     def create_instance(self, instance_id: str, nbytes: int) -> None:
-        """Export KV memory as a shm file (the client side) and register it with the engine."""
+        """Export KV memory (the client side) and register it with the engine: a CUDA tensor
+        over CUDA IPC where the engine runs on a GPU, a POSIX shm file on hosts."""
+        if self.gpu_exports_enabled():
+            import pickle
+
+            import torch
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            tensor = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+            self.gpu_exports[instance_id] = tensor
+            handle = base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
+            self.post_json("/instances", {"instance_id": instance_id, "cuda_ipc": handle})
+            return
         name = f"{self.shm_prefix}{os.getpid()}-{instance_id}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
         try:
@@ -284,6 +303,10 @@ class ReferenceAdapter(EngineAdapter):
         self.exports[instance_id] = (name, nbytes)
         self.post_json("/instances", {"instance_id": instance_id, "shm_name": name, "nbytes": nbytes})
 
+    def gpu_exports_enabled(self) -> bool:
+        """CUDA IPC needs a CUDA torch in this (exporting) process and a GPU for the engine."""
+        return nvml().available and _torch_cuda_available()
+
     def release_instance(self, instance_id: str, path: str) -> dict[str, Any]:
         if path != "unregister":
             raise NotImplementedError(f"reference engine has no release path {path!r}")
@@ -291,6 +314,10 @@ class ReferenceAdapter(EngineAdapter):
         name, _size = self.exports.pop(instance_id, (None, 0))
         if name:
             (SHM_DIR / name).unlink(missing_ok=True)  # the exporter frees its side
+        if self.gpu_exports.pop(instance_id, None) is not None:
+            import torch
+
+            torch.cuda.empty_cache()  # freed only once the importer let go (ipc_collect)
         if resp.status_code not in (200, 404):
             raise EngineError(self.name, f"unregister {instance_id}: HTTP {resp.status_code}")
         return {"released": resp.status_code == 200, "status": resp.status_code}
@@ -364,3 +391,9 @@ class ReferenceAdapter(EngineAdapter):
         if self.decode:
             logs["reference-decode"] = self.decode.log_tail(80)
         return logs
+
+
+def _torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

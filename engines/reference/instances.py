@@ -1,9 +1,13 @@
 """Instances that register and unregister imported KV memory.
 
 On hosts, a client exports KV memory as a POSIX shared-memory file and the engine imports it
-by mapping the file; unregister drops the mapping. As with CUDA IPC (where the importer must
-call torch.cuda.ipc_collect() once the last reference is gone, LMCache #4015), released
-imports are closed by a collect step after the release batch.
+by mapping the file. On GPUs, the client exports a CUDA tensor over CUDA IPC (torch's own
+tensor reduction) and the engine imports it. Unregister moves the import to a release batch;
+the collect step closes mappings and drops tensors, then calls torch.cuda.ipc_collect() so the
+exporter can really free its memory (LMCache #4015 is that last step missing).
+
+The CUDA handle arrives pickled (torch's reduction is a rebuild function plus arguments); the
+engine listens on 127.0.0.1 only, for the suite that launched it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHM_DIR = Path("/dev/shm")
 
@@ -22,7 +27,13 @@ class Imported:
     instance_id: str
     shm_name: str
     nbytes: int
-    mapping: mmap.mmap
+    mapping: mmap.mmap | None = None
+    tensor: Any = None  # a CUDA tensor imported over IPC
+
+    def release(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+        self.tensor = None
 
 
 class InstanceRegistry:
@@ -54,10 +65,32 @@ class InstanceRegistry:
             self.instances[instance_id] = Imported(instance_id, shm_name, nbytes, mapping)
             self.registered_total += 1
 
+    def register_cuda(self, instance_id: str, handle: bytes) -> None:
+        import pickle
+
+        rebuild, args = pickle.loads(handle)
+        tensor = rebuild(*args)
+        with self.lock:
+            if instance_id in self.instances:
+                raise KeyError(f"instance {instance_id} already registered")
+            self.instances[instance_id] = Imported(
+                instance_id, "", tensor.numel() * tensor.element_size(), tensor=tensor
+            )
+            self.registered_total += 1
+
     def write(self, instance_id: str, payload: bytes) -> int:
         """Copy KV into the instance's memory, repeating it to fill the region."""
         with self.lock:
             imported = self.instances[instance_id]
+            if imported.tensor is not None:
+                import torch
+
+                chunk = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(imported.tensor.device)
+                flat = imported.tensor.view(torch.uint8).view(-1)
+                for offset in range(0, flat.numel(), chunk.numel()):
+                    n = min(chunk.numel(), flat.numel() - offset)
+                    flat[offset : offset + n] = chunk[:n]
+                return imported.nbytes
             for offset in range(0, imported.nbytes, len(payload)):
                 n = min(len(payload), imported.nbytes - offset)
                 imported.mapping[offset : offset + n] = payload[:n]
@@ -87,7 +120,11 @@ class InstanceRegistry:
         with self.lock:
             released, self.pending_release = self.pending_release, []
         for imported in released:
-            imported.mapping.close()
+            imported.release()
+        if any(i.tensor is None and i.mapping is None for i in released) and _cuda_in_use():
+            import torch
+
+            torch.cuda.ipc_collect()  # the exporter can free what it shared only after this
         return len(released)
 
     def mapped_bytes(self) -> int:
@@ -102,4 +139,11 @@ class InstanceRegistry:
             self.pending_release.clear()
             self.leaked.clear()
         for imported in everything:
-            imported.mapping.close()
+            imported.release()
+
+
+def _cuda_in_use() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()

@@ -6,6 +6,7 @@ python -m engines.reference.server --port P [--block-size 16] [--fault NAME ...]
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import signal
 import socket
@@ -249,7 +250,10 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"fail_stores": self.engine.host.fail_stores})
 
     def _register(self, body: dict[str, Any]) -> None:
-        self.engine.instances.register(str(body["instance_id"]), body["shm_name"], int(body["nbytes"]))
+        if "cuda_ipc" in body:
+            self.engine.instances.register_cuda(str(body["instance_id"]), base64.b64decode(body["cuda_ipc"]))
+        else:
+            self.engine.instances.register(str(body["instance_id"]), body["shm_name"], int(body["nbytes"]))
         self._send(200, {"registered": body["instance_id"]})
 
     def _instance_load(self, body: dict[str, Any]) -> None:
