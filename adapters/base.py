@@ -62,6 +62,7 @@ class Capability(StrEnum):
     RADIX_CACHE_MODEL = "radix_cache_model"  # an engine radix cache drivable step by step
     ROUTER_PREDICTION = "router_prediction"  # router predicts cached prefix per request
     TRACE_REPLAY = "trace_replay"  # offline replay of a synthetic trace
+    DISAGG_SERVING = "disagg_serving"  # prefill and decode instances serve requests end to end
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class EngineConfig:
     offload: bool = False  # enable the host offload tier
     fail_stores: bool = False  # offload stores fail (failed-store path)
     persistent: bool = False  # enable the persistent (disk) tier
+    disaggregated: bool = False  # separate prefill and decode instances, KV handed off between
 
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
@@ -338,6 +340,10 @@ class EngineAdapter(ABC):
     def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
         """KV events the router failed to apply, by status (None: the engine does not say)."""
         return None
+
+    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+        """Serve a prompt through the prefill -> decode deployment (EngineConfig(disaggregated))."""
+        raise NotImplementedError
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
         return {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}

@@ -34,6 +34,7 @@ C = Capability
 MODEL_NAME = "tiny"
 WORKERS = 2
 GPU_BLOCKS = 256  # per mocker
+DISAGG_BANDWIDTH_GBPS = 10.0
 
 
 class DynamoAdapter(EngineAdapter):
@@ -55,6 +56,7 @@ class DynamoAdapter(EngineAdapter):
             C.RADIX_INDEX,
             C.TRACE_REPLAY,
             C.BLOCK_TRACKER,
+            C.DISAGG_SERVING,
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
@@ -142,12 +144,12 @@ class DynamoAdapter(EngineAdapter):
             session=self.http,
         )
         self.mockers = []
-        for i in range(WORKERS):
+        for i, role in enumerate(self.worker_roles(config)):
             system_port = free_port()
             self.mockers.append(
                 LaunchedServer(
                     self.name,
-                    f"dynamo-mocker-{i}",
+                    f"dynamo-mocker-{i}-{role or 'agg'}",
                     [
                         python,
                         "-m",
@@ -163,6 +165,7 @@ class DynamoAdapter(EngineAdapter):
                         "--speedup-ratio",
                         "100",
                         *planes,
+                        *self.disagg_args(role),
                     ],
                     self.ctx.workdir,
                     f"http://127.0.0.1:{system_port}/health",
@@ -184,6 +187,24 @@ class DynamoAdapter(EngineAdapter):
                 self.name, f"frontend never listed {WORKERS} workers for model {MODEL_NAME}", tails
             )
         self.config = config
+
+    @staticmethod
+    def worker_roles(config: EngineConfig) -> list[str | None]:
+        return ["prefill", "decode"] if config.disaggregated else [None] * WORKERS
+
+    def disagg_args(self, role: str | None) -> list[str]:
+        """Prefill/decode mockers hand KV off at the model's bytes per token over a set link."""
+        if role is None:
+            return []
+        args = [
+            "--disaggregation-mode",
+            role,
+            "--kv-bytes-per-token",
+            str(self.model.kv_bytes_per_token()),
+            "--kv-transfer-bandwidth",
+            str(DISAGG_BANDWIDTH_GBPS),
+        ]
+        return [*args, "--bootstrap-ports", str(free_port())] if role == "prefill" else args
 
     def _all_workers_routable(self) -> bool:
         try:
@@ -232,6 +253,11 @@ class DynamoAdapter(EngineAdapter):
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
+
+    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+        if self.config is None or not self.config.disaggregated:
+            raise EngineError(self.name, "serve_disaggregated needs EngineConfig(disaggregated=True)")
+        return self.serve_prompt(tokens)
 
     def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
         """The router's prediction for this request: nvext.timing.kv_hit_rate is matched

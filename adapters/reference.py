@@ -72,6 +72,7 @@ class ReferenceAdapter(EngineAdapter):
             C.PAGE_INDEX,
             C.RELEASE_GUARD,
             C.ROUTER_PREDICTION,
+            C.DISAGG_SERVING,
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
@@ -377,6 +378,21 @@ class ReferenceAdapter(EngineAdapter):
             )
             for it in self.get_json("/kv_stats")
         ]
+
+    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+        """Prefill here, hand the KV pages to the decode instance (the transfer path)."""
+        receiver = self.ensure_decode_instance()
+        result = self.post_json(
+            "/transfer/send",
+            {
+                "prompt": tokens,
+                "receiver": receiver,
+                "layout": "mha",
+                "page_size": self.block_size(),
+                "destinations": 1,
+            },
+        )
+        return ServedPrompt(len(tokens), int(result["cached"]), [])
 
     def release_twice(self, tokens: list[int]) -> dict[str, Any]:
         return self.post_json("/admin/release_twice", {"prompt": tokens})

@@ -121,6 +121,11 @@ FAULTS: dict[str, Fault] = {
         ("transfer::test_transfer_bytes_reconcile[*]",),
         "byte counters fed from the transport layer instead of the KV layout",
     ),
+    "disagg_cached_tokens_lost": Fault(
+        "requests served through prefill -> decode report 0 cached tokens, whatever the prefill reused",
+        ("transfer::test_disaggregated_serving_reports_prefix_reuse",),
+        "Dynamo 1.6.1 disaggregated mode: usage.cached_tokens always 0",
+    ),
     "page_index_off_by_one": Fault(
         "page indices are computed as kv_index // page_size + 1",
         ("transfer::test_page_indices_match_oracle*",),

@@ -275,7 +275,7 @@ class Handler(BaseHTTPRequestHandler):
         plan = e.transfer_plan(body["layout"], page_size, int(body.get("destinations", 1)))
         abort_after = body.get("abort_after_pages")
         transfer_id = body.get("transfer_id") or uuid.uuid4().hex[:12]
-        req, _sources = e.prefill(body["prompt"])
+        req, sources = e.prefill(body["prompt"])
         kv_indices = e.kv_indices(req)
         pages = e.page_indices(kv_indices, page_size)
         sent = sent_pages = 0
@@ -325,6 +325,7 @@ class Handler(BaseHTTPRequestHandler):
                 "pages_sent": sent_pages,
                 "aborted": aborted,
                 "state_indices": 1 if plan["state_bytes"] else 0,
+                "cached": 0 if "disagg_cached_tokens_lost" in e.faults else sources["cached"],
             },
         )
 
