@@ -10,6 +10,7 @@ reaper is exercised; stopping the server is the `close` path.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from adapters.base import (
     ServedPrompt,
 )
 from kvconform.drivers import DriverProcess
-from kvconform.errors import EngineError
+from kvconform.errors import EngineError, UsageError
 from kvconform.memory import SHM_DIR, gpu_measures, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
@@ -146,6 +147,25 @@ class LmcacheAdapter(EngineAdapter):
         self.config = config
         self.client = self._client("lmcache-client")
         self.client.call("register", instance_id=SERVING_INSTANCE, num_blocks=SERVING_BLOCKS, heartbeat_s=5.0)
+
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        """Attached, the suite still needs its client: it speaks LMCache's RPC protocol, whose
+        address the HTTP URL does not give (KVCONFORM_LMCACHE_RPC_URL)."""
+        super().ensure(config)
+        if self.attached and self.client is None:
+            self.rpc_url = os.environ.get("KVCONFORM_LMCACHE_RPC_URL", "")
+            if not self.rpc_url:
+                raise UsageError(
+                    "engine lmcache in attach mode: set KVCONFORM_LMCACHE_RPC_URL to the server's "
+                    "RPC address (tcp://HOST:PORT of `lmcache server --port`)"
+                )
+            self.client = self._client("lmcache-client")
+            self.client.call(
+                "register", instance_id=SERVING_INSTANCE, num_blocks=SERVING_BLOCKS, heartbeat_s=5.0
+            )
+
+    def attached_version(self) -> str:
+        return "unknown (attached)"
 
     def _client(self, name: str) -> DriverProcess:
         return DriverProcess(
