@@ -1,0 +1,352 @@
+"""Contract tests of adapters/sglang.py server mode against FakeSglang (no GPU, no SGLang server).
+
+The fake answers as SGLang 0.5.23's server does (see tests/contract/fake_sglang.py for the
+source files each payload is shaped after). These are contract tests: they prove the
+adapter's reading of SGLang's HTTP API and the suite's checks against it, never a run of
+SGLang itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import adapters.sglang as sglang_module
+from adapters.base import AdapterContext, EngineConfig
+from adapters.base import Capability as C
+from adapters.sglang import INPROCESS_CAPABILITIES, MODE_ENV, SglangAdapter
+from kvconform.errors import EngineError, UsageError
+from kvconform.events import EventLedger
+from kvconform.processes import free_port
+from kvconform.zmq_events import ZmqEventSubscriber
+from tests.contract.conftest import REPO_ROOT
+from tests.contract.fake_sglang import FakeSglang, FakeSglangPublisher, removed, stored
+
+ATTACHED = frozenset({C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.RESET_PREFIX_CACHE, C.FORCED_EVICTION})
+
+
+@pytest.fixture(autouse=True)
+def _inprocess_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MODE_ENV, raising=False)
+
+
+@pytest.fixture
+def fake_sglang() -> Iterator[FakeSglang]:
+    server = FakeSglang()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def sglang(fake_sglang: FakeSglang, tmp_path: Path) -> Iterator[SglangAdapter]:
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake_sglang.url, request_timeout_s=5))
+    yield adapter
+    adapter.close()
+
+
+# ---- requests ------------------------------------------------------------------------------
+def test_generate_sends_input_ids_and_reads_cached_tokens(sglang: SglangAdapter, fake_sglang) -> None:
+    prompt = list(range(100, 200))  # 100 tokens: 3 whole pages of 32 + 4
+    first = sglang.serve_prompt(prompt)
+    second = sglang.serve_prompt(prompt)
+    assert (first.prompt_tokens, first.cached_tokens, first.source) == (100, 0, {})
+    assert (second.cached_tokens, second.source) == (96, {"device": 96, "host": 0})
+    assert second.output == [17]
+    aligned = list(range(300, 364))  # 64 tokens = 2 pages: the last token is always computed
+    sglang.serve_prompt(aligned)
+    assert sglang.serve_prompt(aligned).cached_tokens == 32
+    body = fake_sglang.bodies[0]
+    assert body["input_ids"] == prompt and body["stream"] is False
+    assert body["sampling_params"]["max_new_tokens"] == 1
+    assert body["sampling_params"]["temperature"] == 0.0
+    assert [p for m, p in fake_sglang.log if m == "POST"] == ["/generate"] * 4
+
+
+def test_prompt_counted_differently_is_refused(tmp_path: Path) -> None:
+    fake = FakeSglang(mode="bos")
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
+    try:
+        with pytest.raises(EngineError, match=r"engine sglang: /generate counted 41 prompt tokens for 40"):
+            adapter.serve_prompt(list(range(10, 50)))
+    finally:
+        fake.close()
+
+
+def test_missing_cached_tokens_is_a_clear_engine_error(tmp_path: Path) -> None:
+    fake = FakeSglang(mode="no_cached")
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
+    try:
+        with pytest.raises(EngineError, match=r"engine sglang: /generate: meta_info.cached_tokens is None"):
+            adapter.serve_prompt(list(range(10, 50)))
+    finally:
+        fake.close()
+
+
+def test_stream_and_disconnect_reads_generate_chunks(sglang: SglangAdapter, fake_sglang) -> None:
+    assert sglang.stream_and_disconnect(list(range(10, 60)), after_chunks=2) == 2
+    assert fake_sglang.bodies[-1]["stream"] is True
+
+
+# ---- reset -----------------------------------------------------------------------------------
+def test_flush_cache_retried_while_it_answers_400(sglang: SglangAdapter, fake_sglang) -> None:
+    prompt = list(range(500, 600))
+    sglang.serve_prompt(prompt)
+    fake_sglang.busy_flushes = 3
+    sglang.reset_prefix_cache()
+    assert fake_sglang.flushes == 4
+    flush_calls = [(m, p) for m, p in fake_sglang.log if p.startswith("/flush_cache")]
+    assert all(m == "POST" and p.startswith("/flush_cache?timeout=") for m, p in flush_calls)
+    assert sglang.serve_prompt(prompt).cached_tokens == 0
+
+
+def test_flush_cache_gives_up_with_the_servers_message(
+    sglang: SglangAdapter, fake_sglang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sglang_module, "RESET_RETRY_S", 0.5)
+    fake_sglang.busy_flushes = 10**6
+    with pytest.raises(EngineError, match=r"/flush_cache kept answering 400 .*Timed out waiting for idle"):
+        sglang.reset_prefix_cache()
+
+
+def test_flush_cache_http_500_is_not_retried(sglang: SglangAdapter, fake_sglang) -> None:
+    fake_sglang.faults["/flush_cache"] = "500"
+    with pytest.raises(EngineError, match=r"engine sglang: POST /flush_cache -> HTTP 500"):
+        sglang.reset_prefix_cache()
+    assert len([p for _, p in fake_sglang.log if p.startswith("/flush_cache")]) == 1
+
+
+# ---- server info ----------------------------------------------------------------------------
+def test_server_info_gives_version_page_size_and_capacity(sglang: SglangAdapter) -> None:
+    assert sglang.version == "0.5.23+contract-fake"
+    assert sglang.block_size() == 32
+    assert sglang.default_block_size == 32  # the attached server's page size
+    assert sglang.cache_capacity_tokens() == 4096
+
+
+def test_older_server_info_endpoint_is_used_when_the_new_one_is_missing(tmp_path: Path) -> None:
+    fake = FakeSglang(page_size=16, legacy=True)
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
+    try:
+        assert adapter.block_size() == 16
+        assert ("GET", "/get_server_info") in fake.log
+    finally:
+        fake.close()
+
+
+# ---- metrics --------------------------------------------------------------------------------
+def test_sglang_metrics_map_to_logical_counters(sglang: SglangAdapter) -> None:
+    before = sglang.metrics()
+    assert not before.has("sglang:cached_tokens_total")  # lazily created: absent reads 0
+    assert sglang.metric("prefix_hits", before) == 0
+    prompt = list(range(1000, 1100))
+    sglang.serve_prompt(prompt)
+    sglang.serve_prompt(prompt)
+    sglang.stream_and_disconnect(list(range(2000, 2040)), after_chunks=1)
+    after = sglang.metrics()
+    assert sglang.metric_delta("prefix_queries", before, after) == 240  # both is_streaming series
+    assert sglang.metric_delta("prefix_hits", before, after) == 96
+    assert sglang.metric_delta("prefix_hits_host", before, after) == 0
+    assert sglang.metric("kv_usage", after) == 0.0
+    assert sglang.metric_delta("requests", before, after) == 3
+
+
+def test_eviction_counter_moves_past_capacity(sglang: SglangAdapter) -> None:
+    before = sglang.metrics()
+    for i in range(10):  # 10 x 512 tokens through a 4096-token pool
+        sglang.serve_prompt([10 + (i * 512 + t) % 3000 for t in range(512)])
+    after = sglang.metrics()
+    assert sglang.metric_delta("evicted_tokens", before, after) == 10 * 512 - 4096
+
+
+# ---- capabilities ---------------------------------------------------------------------------
+def test_capabilities_by_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inprocess = SglangAdapter(AdapterContext(workdir=tmp_path))
+    attached = SglangAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
+    assert not inprocess.server_mode and attached.server_mode
+    assert inprocess.effective_capabilities() == INPROCESS_CAPABILITIES
+    assert attached.effective_capabilities() == ATTACHED  # only what works over HTTP
+    # the plugin skips from the class: attached it must agree with the adapter on every
+    # capability a check `requires` (PREFIX_HIT_COUNTERS is only ever asked through has())
+    cls_attached = SglangAdapter.capabilities - SglangAdapter.attach_capabilities_removed
+    assert cls_attached == ATTACHED - {C.PREFIX_HIT_COUNTERS}
+    monkeypatch.setenv(MODE_ENV, "server")
+    launched = SglangAdapter(AdapterContext(workdir=tmp_path))
+    assert launched.server_mode and launched.env_spec == "sglang-server"
+    caps = launched.effective_capabilities()
+    assert SglangAdapter.capabilities == caps
+    assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
+    assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
+    with pytest.raises(NotImplementedError, match="needs KVCONFORM_SGLANG_MODE=inprocess"):
+        launched.radix_new(16, 1024)
+    monkeypatch.setenv(MODE_ENV, "gpu")
+    with pytest.raises(UsageError, match="expected 'inprocess' or 'server'"):
+        SglangAdapter(AdapterContext(workdir=tmp_path))
+
+
+def test_server_env_spec_without_server_mode_is_refused(tmp_path: Path) -> None:
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, env_name="sglang-server"))
+    with pytest.raises(UsageError, match=r"set KVCONFORM_SGLANG_MODE=server"):
+        adapter.preflight()
+
+
+def test_launch_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MODE_ENV, "server")
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path))
+    python = tmp_path / "venv" / "bin" / "python"
+    monkeypatch.setattr(adapter, "env", lambda: SimpleNamespace(python=python))
+    monkeypatch.setattr(adapter, "model_dir", lambda: tmp_path / "model")
+    argv = adapter.server_argv(EngineConfig(block_size=128), 30000, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6")
+    assert argv[:3] == [str(python), "-m", "sglang.launch_server"]
+    flags = dict(itertools.pairwise(argv))
+    assert flags["--model-path"] == str(tmp_path / "model") and flags["--load-format"] == "dummy"
+    assert flags["--page-size"] == "128" and flags["--port"] == "30000"
+    assert "--enable-metrics" in argv and "--skip-tokenizer-init" in argv
+    events = json.loads(flags["--kv-events-config"])
+    assert events == {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:5",
+        "bind": False,
+        "replay_endpoint": "tcp://127.0.0.1:6",
+        "topic": "kv",
+    }
+
+
+# ---- KV events (launch mode's transport, with SGLang's encoding) -----------------------------
+def test_sglang_kv_events_reach_the_ledger_and_gaps_are_replayed(tmp_path: Path) -> None:
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path))
+    ports = free_port(), free_port()
+    config = adapter.kv_events_config(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}")
+    ledger = EventLedger()
+    sub = ZmqEventSubscriber(
+        ledger, config["endpoint"], topic="kv", replay_endpoint=config["replay_endpoint"]
+    )
+    pub = FakeSglangPublisher(config)
+    try:
+        pub.publish([stored([1, 2], None, list(range(64)), 32)])  # slow joiner: may be lost
+        deadline = time.monotonic() + 5
+        while not sub.seen and time.monotonic() < deadline:
+            pub.publish([stored([90 + pub.seq], None, list(range(32)), 32)])
+            time.sleep(0.05)
+        assert sub.seen, "subscriber never received a batch"
+        pub.publish([stored([3], 2, list(range(64, 96)), 32)], send=False)  # lost in transport
+        pub.publish([removed([1])])
+        time.sleep(0.3)
+        replayer = threading.Thread(target=pub.serve_replay)
+        replayer.start()
+        filled = sub.fill_gaps()
+        replayer.join()
+        assert filled >= 1
+        assert sub.decode_errors == []
+        assert sorted(sub.seen) == list(range(pub.seq))
+        kinds = {(e.kind, e.block_hashes) for e in ledger.events()}
+        assert ("stored", ("3",)) in kinds and ("removed", ("1",)) in kinds
+        assert ledger.judge().violations == []
+    finally:
+        pub.close()
+        sub.close()
+
+
+# ---- errors ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "fault", "call", "expected"),
+    [
+        ("/generate", "garbage", "serve", r"engine sglang: /generate returned non-JSON"),
+        ("/generate", "500", "serve", r"engine sglang: POST /generate -> HTTP 500"),
+        ("/metrics", "500", "metrics", r"engine sglang: GET /metrics -> HTTP 500"),
+        ("/server_info", "garbage", "info", r"engine sglang: /server_info returned non-JSON"),
+        ("/server_info", "500", "info", r"engine sglang: GET /server_info -> HTTP 500"),
+    ],
+)
+def test_bad_answers_are_clear_engine_errors(
+    sglang: SglangAdapter, fake_sglang, path: str, fault: str, call: str, expected: str
+) -> None:
+    fake_sglang.faults[path] = fault
+    with pytest.raises(EngineError, match=expected):
+        if call == "serve":
+            sglang.serve_prompt(list(range(10, 50)))
+        elif call == "metrics":
+            sglang.metrics()
+        else:
+            sglang.block_size()
+
+
+def test_unreachable_url_names_the_engine(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=url))
+    with pytest.raises(UsageError, match=rf"engine sglang at {url} is unreachable"):
+        adapter.preflight()
+
+
+# ---- the suite against the fake, as a user runs it (attach mode) ----------------------------
+def run_suite(url: str, tmp_path: Path, target: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            target,
+            "--engine",
+            "sglang",
+            "--engine-url",
+            url,
+            "--results-dir",
+            str(tmp_path / "results"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, MODE_ENV: ""},
+    )
+
+
+def test_prefix_reuse_suite_passes_on_a_block_exact_server(fake_sglang, tmp_path: Path) -> None:
+    run = run_suite(fake_sglang.url, tmp_path, "suites/prefix_reuse")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "failed" not in run.stdout
+    assert "4 passed" in run.stdout, run.stdout[-2000:]
+    records = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert records["session"]["engines"] == {"sglang": "0.5.23+contract-fake"}
+    ran = {r["check"]: r["outcome"] for r in records["records"] if r["outcome"] != "skipped"}
+    assert ran == {
+        "prefix_reuse::test_repeated_prompt_served_from_cache": "passed",
+        "prefix_reuse::test_reset_drops_cached_prefix": "passed",
+        "prefix_reuse::test_partial_block_prefix_hits_match_oracle[32]": "passed",
+        "prefix_reuse::test_evicted_prefix_not_reported_as_hit": "passed",
+    }
+
+
+def test_prefix_reuse_suite_fails_with_numbers_when_partial_pages_lose_hits(tmp_path: Path) -> None:
+    fake = FakeSglang(mode="partial_loss")
+    try:
+        run = run_suite(fake.url, tmp_path, "suites/prefix_reuse/test_block_reuse.py")
+    finally:
+        fake.close()
+    assert run.returncode == 1, run.stdout[-3000:]
+    assert "1 failed" in run.stdout and "2 passed" in run.stdout, run.stdout[-3000:]
+    assert "test_partial_block_prefix_hits_match_oracle[sglang-32]" in run.stdout
+    expected = (
+        "cached_tokens_in_response = 0 tokens, expected == 96 tokens [VIOLATED] (oracle floor(113/32)*32)"
+    )
+    assert expected in run.stdout, run.stdout[-3000:]
+    assert "prefix_hits_counter_delta = 0 tokens, expected == 96 tokens [VIOLATED]" in run.stdout
+
+
+def test_unreachable_engine_url_stops_the_session_with_one_line(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    run = run_suite(url, tmp_path, "suites/prefix_reuse/test_block_reuse.py")
+    assert run.returncode != 0
+    assert f"engine sglang at {url} is unreachable" in run.stdout + run.stderr
