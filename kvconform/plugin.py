@@ -218,13 +218,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = _engine_of(item)
         if name is None:
             continue
-        cls = adapter_class(name)
-        caps = cls.capabilities - cls.attach_capabilities_removed if url else cls.capabilities
+        adapter = session.adapter(name)
+        caps = adapter.effective_capabilities()
         for marker in item.iter_markers("requires"):
             missing = [Capability(c) for c in marker.args if Capability(c) not in caps]
             if missing:
                 named = ", ".join(
-                    f"{c} (in attach mode)" if url and c in cls.capabilities else str(c) for c in missing
+                    f"{c} (in attach mode)" if url and c in adapter.capabilities else str(c) for c in missing
                 )
                 item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))
                 break
