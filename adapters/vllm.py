@@ -142,28 +142,7 @@ class VllmAdapter(EngineAdapter):
             "replay_endpoint": replay,
         }
         return [
-            str(self.env().bin("vllm")),
-            "serve",
-            str(self.model_dir()),
-            "--served-model-name",
-            MODEL_NAME,
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--enable-prefix-caching",
-            "--block-size",
-            str(block),
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory-bytes",
-            str(KV_CACHE_BYTES),
-            "--enforce-eager",
-            "--enable-prompt-tokens-details",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *serve_command(self.env().bin("vllm"), self.model_dir(), block, port),
             "--kv-events-config",
             json.dumps(kv_events),
             "--disable-uvicorn-access-log",
@@ -380,3 +359,32 @@ class VllmAdapter(EngineAdapter):
 
     def describe_logs(self) -> dict[str, str]:
         return {"vllm serve": self.log_tail(80)} if self.server else {}
+
+
+def serve_command(vllm: Path, model_dir: Path, block_size: int, port: int) -> list[str]:
+    """`vllm serve` as kvconform runs it on CPU: the tiny model with dummy weights, prefix
+    caching, an 8 MiB KV pool, token-id prompts with cached-token details in the usage."""
+    return [
+        str(vllm),
+        "serve",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--enable-prefix-caching",
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]

@@ -14,11 +14,7 @@ test keeps that list and this file's proofs in step.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +23,7 @@ import pytest
 from adapters import ADAPTERS
 from kvconform.checkids import matches
 from tests.doubles import DOUBLES, FAULT_ENV, faults_by_double
+from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = "tests/test_engine_only_checks.py"
@@ -61,26 +58,20 @@ FAULTS = faults_by_double()
 
 def run_double(results: Path, double: str, fault: str | None, checks: list[str], plugin: bool = True):
     suites = PROVES[double][0]
-    args = [sys.executable, "-m", "pytest", *suites, "--engine", double]
-    args += ["--results-dir", str(results), "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    options = ["--engine", double]
     if not any("hypothesis" in (ROOT / s).read_text() for s in suites):
-        args += ["-p", "no:hypothesispytest"]  # a second less per run where no check uses it
+        options += ["-p", "no:hypothesispytest"]  # a second less per run where no check uses it
     if plugin:
-        args += ["-p", "tests.doubles.plugin"]
-    for check in checks:
-        args += ["--check", check]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    path = results / "results.json"
+        options += ["-p", "tests.doubles.plugin"]
+    options += [arg for check in checks for arg in ("--check", check)]
+    proc, records = run_suites(list(suites), options, results, env={FAULT_ENV: fault or ""}, timeout=300)
     if not plugin:
         return proc
-    if not path.exists():
+    if not records:
         raise AssertionError(
             f"no results for {double} fault={fault}: exit {proc.returncode}\n{proc.stdout[-3000:]}"
         )
-    return {r["check"]: r for r in json.loads(path.read_text())["records"]}
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -174,31 +165,16 @@ CROSS_STACK_CHECK = "prefix_reuse::test_events_replayed_into_router_index_match"
 
 
 def run_cross_stack(results: Path, fault: str | None) -> dict[str, dict]:
-    args = [
-        sys.executable,
-        "-m",
-        "pytest",
-        CROSS_STACK,
+    options = [
         "--engine",
         "testdouble_radix_cache",
         "--engine",
         "testdouble_radix_index",
-        "--results-dir",
-        str(results),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:xdist",
         "-p",
         "tests.doubles.plugin",
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != FAULT_ENV}
-    if fault:
-        env[FAULT_ENV] = fault
-    subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    records = json.loads((results / "results.json").read_text())["records"]
-    return {r["check"]: r for r in records if r["engine"] == "testdouble_radix_cache"}
+    _proc, records = run_suites([CROSS_STACK], options, results, env={FAULT_ENV: fault or ""}, timeout=300)
+    return records
 
 
 @pytest.mark.parametrize("fault", [None, "index_ignores_removed"])
@@ -207,6 +183,7 @@ def test_cross_stack_check_passes_clean_and_fails_on_a_stale_index(tmp_path: Pat
     radix-cache double producing the events and an index double consuming them."""
     records = run_cross_stack(tmp_path, fault)
     record = records[CROSS_STACK_CHECK]
+    assert record["engine"] == "testdouble_radix_cache", record
     if fault is None:
         assert record["outcome"] == "passed", record["message"]
     else:

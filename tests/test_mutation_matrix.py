@@ -12,10 +12,6 @@ The matrix (check x fault) is written to <--results-dir>/mutation-matrix.md.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +19,7 @@ import pytest
 
 from engines.reference.faults import FAULTS
 from kvconform.checkids import matches
+from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parent.parent
 # Checks skipped on the reference engine, and the test proving each can fail elsewhere.
@@ -38,32 +35,14 @@ PROVED_ELSEWHERE: dict[str, str] = {
 }
 
 
-def run_suites(results: Path, faults: list[str], checks: list[str]) -> dict[str, dict]:
-    args = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(ROOT / "suites"),
-        "--engine",
-        "reference",
-        "--results-dir",
-        str(results),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:xdist",
-    ]
-    for fault in faults:
-        args += ["--fault", fault]
-    for check in checks:
-        args += ["--check", check]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    path = results / "results.json"
-    if not path.exists():
+def run_reference(results: Path, faults: list[str], checks: list[str]) -> dict[str, dict]:
+    options = ["--engine", "reference"]
+    options += [arg for fault in faults for arg in ("--fault", fault)]
+    options += [arg for check in checks for arg in ("--check", check)]
+    proc, records = run_suites([str(ROOT / "suites")], options, results)
+    if not records:
         raise AssertionError(f"no results for faults={faults}: exit {proc.returncode}\n{proc.stdout[-3000:]}")
-    return {r["check"]: r for r in json.loads(path.read_text())["records"]}
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +54,7 @@ def matrix(
     for name, fault in FAULTS.items():
         jobs[name] = ([name], list(fault.killed_by))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_suites, base / name, *job) for name, job in jobs.items()}
+        futures = {name: pool.submit(run_reference, base / name, *job) for name, job in jobs.items()}
         outcomes = {name: f.result() for name, f in futures.items()}
     clean = outcomes.pop("clean")
     write_matrix(clean, outcomes, Path(request.config.getoption("--results-dir")))

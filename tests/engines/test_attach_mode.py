@@ -9,19 +9,17 @@ test` runs this after building it.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from adapters.vllm import KV_CACHE_BYTES, MODEL_NAME
+from adapters.vllm import serve_command
 from kvconform import envs
 from kvconform.drivers import DRIVERS_DIR
 from kvconform.errors import UsageError
 from kvconform.processes import EngineProcess, free_port, wait_until_ready
+from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_ONLY = ("restart", "block_size_config", "instance_churn", "host_memory", "kv_events", "offload")
@@ -43,30 +41,7 @@ def operator_vllm(tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     server = EngineProcess(
         "operator-vllm",
-        [
-            str(env.bin("vllm")),
-            "serve",
-            str(work / "model"),
-            "--served-model-name",
-            MODEL_NAME,
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--enable-prefix-caching",
-            "--block-size",
-            "32",
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory-bytes",
-            str(KV_CACHE_BYTES),
-            "--enforce-eager",
-            "--enable-prompt-tokens-details",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
+        serve_command(env.bin("vllm"), work / "model", 32, port),
         work / "serve.log",
         env={
             "HF_HUB_OFFLINE": "1",
@@ -88,32 +63,8 @@ def operator_vllm(tmp_path_factory: pytest.TempPathFactory):
 
 def test_attach_mode_runs_the_checks_that_need_no_ownership(operator_vllm, tmp_path: Path) -> None:
     url, server = operator_vllm
-    results = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "suites",
-            "--engine",
-            "vllm",
-            "--engine-url",
-            url,
-            "--results-dir",
-            str(results),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
-    )
-    records = json.loads((results / "results.json").read_text())["records"]
+    proc, by_check = run_suites(["suites"], ["--engine", "vllm", "--engine-url", url], tmp_path / "results")
+    records = list(by_check.values())
     by_outcome: dict[str, list[dict]] = {}
     for record in records:
         by_outcome.setdefault(record["outcome"], []).append(record)
