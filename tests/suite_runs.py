@@ -17,9 +17,11 @@ def run_suites(
     results: Path,
     env: dict[str, str] | None = None,
     timeout: float = 900,
+    engine: str | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, dict]]:
     """`python -m pytest TARGETS OPTIONS` in the repository root, outside any xdist worker;
-    returns the process and results.json's records by check id ({} if none was written)."""
+    returns the process and results.json's records by check id ({} if none was written),
+    only those of `engine` when given (a session of several engines repeats every check id)."""
     args = [
         sys.executable,
         "-m",
@@ -39,5 +41,5 @@ def run_suites(
         args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})}
     )
     path = results / "results.json"
-    records = {r["check"]: r for r in json.loads(path.read_text())["records"]} if path.exists() else {}
-    return proc, records
+    records = json.loads(path.read_text())["records"] if path.exists() else []
+    return proc, {r["check"]: r for r in records if engine is None or r["engine"] == engine}

@@ -173,7 +173,14 @@ def run_cross_stack(results: Path, fault: str | None) -> dict[str, dict]:
         "-p",
         "tests.doubles.plugin",
     ]
-    _proc, records = run_suites([CROSS_STACK], options, results, env={FAULT_ENV: fault or ""}, timeout=300)
+    _proc, records = run_suites(
+        [CROSS_STACK],
+        options,
+        results,
+        env={FAULT_ENV: fault or ""},
+        timeout=300,
+        engine="testdouble_radix_cache",
+    )
     return records
 
 
