@@ -27,7 +27,8 @@ from kvconform.events import EventLedger
 from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot, parse_prometheus
 from kvconform.oracles import KvLayout
-from kvconform.processes import TeardownReport
+from kvconform.processes import TeardownReport, free_port
+from kvconform.zmq_events import ZmqEventSubscriber
 
 
 class Capability(StrEnum):
@@ -189,6 +190,7 @@ class EngineAdapter(ABC):
         self.base_url: str | None = ctx.url
         self._sessions = threading.local()
         self.ledger = EventLedger()
+        self.subscriber: ZmqEventSubscriber | None = None
         self._env: BuiltEnv | None = None
 
     @property
@@ -407,9 +409,31 @@ class EngineAdapter(ABC):
         """Every iteration's block-pool stats reported by this engine instance, oldest first."""
         raise NotImplementedError
 
+    # Seconds an engine's publisher may take to send what a finished request emitted.
+    event_settle_s: ClassVar[float] = 1.0
+
+    def open_event_subscriber(self) -> tuple[str, str]:
+        """A fresh ledger (sequence numbers restart with each engine instance) and a SUB socket
+        bound before the engine starts, for publishers in vLLM's ZMQ wire format.
+        Returns (events endpoint, replay endpoint) for the engine's command line."""
+        self.close_event_subscriber()
+        events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        self.ledger = EventLedger()
+        self.subscriber = ZmqEventSubscriber(self.ledger, events, topic="kv", replay_endpoint=replay)
+        return events, replay
+
+    def close_event_subscriber(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
+
     def drain_events(self) -> int:
-        """Make sure every event emitted so far is in the ledger; fill transport gaps."""
-        return 0
+        """Make sure every event emitted so far is in the ledger; fill transport gaps from the
+        engine's replay socket. Returns how many batches replay filled."""
+        if self.subscriber is None:
+            return 0
+        time.sleep(self.event_settle_s)
+        return self.subscriber.fill_gaps()
 
     # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED) ------------------------------
     def persisted_entries(self) -> list[Path]:

@@ -30,11 +30,9 @@ from adapters.base import (
 )
 from engines.reference.server import VERSION
 from kvconform.errors import EngineError
-from kvconform.events import EventLedger
 from kvconform.memory import gpu_measures, nvml, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import SHM_DIR, TeardownReport, free_port
-from kvconform.zmq_events import ZmqEventSubscriber
 
 C = Capability
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -96,13 +94,13 @@ class ReferenceAdapter(EngineAdapter):
         "l2_store_completed": "kvref_disk_store_completed_total",
     }
     churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
+    event_settle_s: ClassVar[float] = 0.3  # events leave the engine with each response
     shm_prefix = "kvconform-ref-"
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.server: LaunchedServer | None = None
         self.decode: LaunchedServer | None = None
-        self.subscriber: ZmqEventSubscriber | None = None
         self.exports: dict[str, tuple[str, int]] = {}
         self.gpu_exports: dict[str, Any] = {}
 
@@ -135,20 +133,8 @@ class ReferenceAdapter(EngineAdapter):
         if config.persistent:
             argv += ["--disk-dir", str(self.disk_dir())]
         if events:
-            events_port, replay_port = free_port(), free_port()
-            self.ledger = EventLedger()  # one ledger per engine instance: seq restarts at 0
-            self.subscriber = ZmqEventSubscriber(
-                self.ledger,
-                f"tcp://127.0.0.1:{events_port}",
-                topic="kv",
-                replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-            )
-            argv += [
-                "--events-endpoint",
-                f"tcp://127.0.0.1:{events_port}",
-                "--replay-endpoint",
-                f"tcp://127.0.0.1:{replay_port}",
-            ]
+            events_endpoint, replay_endpoint = self.open_event_subscriber()
+            argv += ["--events-endpoint", events_endpoint, "--replay-endpoint", replay_endpoint]
         for fault in self.ctx.faults:
             argv += ["--fault", fault]
         url = f"http://127.0.0.1:{port}"
@@ -176,9 +162,7 @@ class ReferenceAdapter(EngineAdapter):
             if server is not None:
                 reports.append(server.stop())
         self.server = self.decode = None
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
+        self.close_event_subscriber()
         for name, _size in list(self.exports.values()):
             (SHM_DIR / name).unlink(missing_ok=True)
         self.exports.clear()
@@ -224,12 +208,6 @@ class ReferenceAdapter(EngineAdapter):
     def resident_blocks_reported(self) -> int | None:
         stats = self.get_json("/stats")
         return int(stats["cached_free"])
-
-    def drain_events(self) -> int:
-        if self.subscriber is None:
-            return 0
-        time.sleep(0.3)  # events leave the engine right after each request; let them land
-        return self.subscriber.fill_gaps()
 
     # ---- persistence ---------------------------------------------------------------------
     def persisted_entries(self) -> list[Path]:

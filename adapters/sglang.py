@@ -67,7 +67,6 @@ from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.processes import TeardownReport, free_port
-from kvconform.zmq_events import ZmqEventSubscriber
 
 C = Capability
 CAPACITY_TOKENS = 4096
@@ -174,7 +173,6 @@ class SglangAdapter(EngineAdapter):
         self.seq = 0
         # server mode
         self.server: LaunchedServer | None = None
-        self.subscriber: ZmqEventSubscriber | None = None
         self._server_info: dict[str, Any] | None = None
         self._model_dir: Path | None = None
         self.metric_names = dict(SERVER_METRICS) if self.server_mode else {}
@@ -258,9 +256,7 @@ class SglangAdapter(EngineAdapter):
         if self.server is not None:
             reports.append(self.server.stop())
             self.server = None
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
+        self.close_event_subscriber()
         self.config = None
         return reports
 
@@ -332,10 +328,8 @@ class SglangAdapter(EngineAdapter):
     def _start_server(self, config: EngineConfig) -> None:
         if self.attached:
             raise EngineError(self.name, "attached: the suite does not start the server")
-        port, events_port, replay_port = free_port(), free_port(), free_port()
-        events, replay = f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"
-        self.ledger = EventLedger()  # one ledger per server instance: seq restarts at 0
-        self.subscriber = ZmqEventSubscriber(self.ledger, events, topic="kv", replay_endpoint=replay)
+        port = free_port()
+        events, replay = self.open_event_subscriber()
         self._server_info = None
         self.base_url = f"http://127.0.0.1:{port}"
         env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0" if os.environ.get(MODEL_ENV) else "1")}
@@ -351,8 +345,7 @@ class SglangAdapter(EngineAdapter):
                 session=self.http,
             )
         except Exception:
-            self.subscriber.close()
-            self.subscriber = None
+            self.close_event_subscriber()
             raise
         self.config = config
 
@@ -508,10 +501,7 @@ class SglangAdapter(EngineAdapter):
         """In-process: take SGLang's recorded KV events (no transport, no gaps). Server: wait
         for the publisher thread, then fill gaps from its replay socket."""
         if self.server_mode:
-            if self.subscriber is None:
-                return 0
-            time.sleep(1.0)
-            return self.subscriber.fill_gaps()
+            return super().drain_events()
         events = self.call("take_events", dynamo_format=False)
         batch = []
         for raw in events:

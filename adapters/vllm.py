@@ -19,11 +19,9 @@ from adapters.base import (
 )
 from kvconform.drivers import DRIVERS_DIR
 from kvconform.errors import EngineError
-from kvconform.events import EventLedger
 from kvconform.memory import MemoryMeasure, nvml
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
-from kvconform.zmq_events import ZmqEventSubscriber
 
 C = Capability
 MODEL_NAME = "tiny"
@@ -90,7 +88,6 @@ class VllmAdapter(EngineAdapter):
         self.server: LaunchedServer | None = None
         self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
         self._attached_block: int | None = None
-        self.subscriber: ZmqEventSubscriber | None = None
         self._model_dir: Path | None = None
 
     def attached_block_size(self) -> int:
@@ -225,14 +222,8 @@ class VllmAdapter(EngineAdapter):
             raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
         if config.offload:
             self._write_fail_stores_file(config.fail_stores)
-        port, events_port, replay_port = free_port(), free_port(), free_port()
-        self.ledger = EventLedger()  # one ledger per engine instance: seq restarts at 0
-        self.subscriber = ZmqEventSubscriber(
-            self.ledger,
-            f"tcp://127.0.0.1:{events_port}",
-            topic="kv",
-            replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-        )
+        port = free_port()
+        events, replay = self.open_event_subscriber()
         self.base_url = f"http://127.0.0.1:{port}"
         workdir = self.ctx.workdir
         env = {
@@ -249,9 +240,7 @@ class VllmAdapter(EngineAdapter):
             self.server = LaunchedServer(
                 self.name,
                 "vllm-serve",
-                self.server_argv(
-                    config, port, f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"
-                ),
+                self.server_argv(config, port, events, replay),
                 workdir,
                 self.url("/health"),
                 env=env,
@@ -260,8 +249,7 @@ class VllmAdapter(EngineAdapter):
                 session=self.http,
             )
         except Exception:
-            self.subscriber.close()
-            self.subscriber = None
+            self.close_event_subscriber()
             raise
         self.config = config
 
@@ -270,9 +258,7 @@ class VllmAdapter(EngineAdapter):
         if self.server is not None:
             reports.append(self.server.stop())
             self.server = None
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
+        self.close_event_subscriber()
         self.config = None
         return reports
 
@@ -314,12 +300,6 @@ class VllmAdapter(EngineAdapter):
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, object]:
         return {"model": MODEL_NAME, **super().completion_body(tokens, max_tokens, stream)}
-
-    def drain_events(self) -> int:
-        if self.subscriber is None:
-            return 0
-        time.sleep(1.0)  # vLLM publishes from a background thread after each engine step
-        return self.subscriber.fill_gaps()
 
     # ---- instance churn: whole-server restart cycles -------------------------------------
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, object]:

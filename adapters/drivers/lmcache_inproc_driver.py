@@ -31,6 +31,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no telemetry from a tes
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jsonl_loop import serve
+from kv_content import chunk_seed
 
 ENGINE = "lmcache-inproc"
 _engines: dict[str, _Engine] = {}
@@ -103,14 +104,6 @@ def _make_connector(num_layers: int, hidden: int, num_slots: int, dtype: Any):
     return HostKVConnector()
 
 
-def _chunk_seed(token_ids: list[int], end: int, salt: str) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(salt.encode())
-    h.update(b"|")
-    h.update(",".join(str(t) for t in token_ids[:end]).encode())
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
-
-
 class _Engine:
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
@@ -133,7 +126,7 @@ class _Engine:
     def expected(self, token_ids: list[int], start: int, end: int):
         import torch
 
-        gen = torch.Generator().manual_seed(_chunk_seed(token_ids, end, self.data_salt))
+        gen = torch.Generator().manual_seed(chunk_seed(token_ids, end, self.data_salt))
         data = torch.randn((2, self.num_layers, end - start, self.hidden), generator=gen)
         return data.to(self.dtype)
 

@@ -35,6 +35,7 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no telemetry from a tes
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jsonl_loop import serve
+from kv_content import chunk_seed
 
 ENGINE = "lmcache-mp"
 SHM_DIR = "/dev/shm"
@@ -113,14 +114,6 @@ def _chunk_size() -> int:
 # ----------------------------------------------------------------------------------------
 
 
-def _chunk_seed(token_ids: list[int], end: int, salt: str) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(salt.encode())
-    h.update(b"|")
-    h.update(",".join(str(t) for t in token_ids[:end]).encode())
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
-
-
 class _Instance:
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
@@ -148,7 +141,7 @@ class _Instance:
         import torch
 
         end = (chunk_index + 1) * self.chunk_size
-        gen = torch.Generator().manual_seed(_chunk_seed(token_ids, end, self.data_salt))
+        gen = torch.Generator().manual_seed(chunk_seed(token_ids, end, self.data_salt))
         shape = (2, self.blocks_in_chunk, self.block_size, self.num_heads, self.head_size)
         return [
             torch.randn(shape, generator=gen, dtype=torch.float32).to(self.dtype)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,8 +27,8 @@ from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
 from kvconform.processes import free_port
 from kvconform.zmq_events import ZmqEventSubscriber
-from tests.contract.conftest import REPO_ROOT
 from tests.contract.fake_sglang import FakeSglang, FakeSglangPublisher, removed, stored
+from tests.suite_runs import run_suites
 
 ATTACHED = frozenset({C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.RESET_PREFIX_CACHE, C.FORCED_EVICTION})
 
@@ -289,28 +287,8 @@ def test_unreachable_url_names_the_engine(tmp_path: Path) -> None:
 
 # ---- the suite against the fake, as a user runs it (attach mode) ----------------------------
 def run_suite(url: str, tmp_path: Path, target: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            target,
-            "--engine",
-            "sglang",
-            "--engine-url",
-            url,
-            "--results-dir",
-            str(tmp_path / "results"),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, MODE_ENV: ""},
-    )
+    options = ["--engine", "sglang", "--engine-url", url]
+    return run_suites([target], options, tmp_path / "results", env={MODE_ENV: ""}, timeout=300)[0]
 
 
 def test_prefix_reuse_suite_passes_on_a_block_exact_server(fake_sglang, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -14,8 +13,8 @@ from adapters.base import Capability as C
 from adapters.trtllm import TrtllmAdapter, parse_kv_event
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
-from tests.contract.conftest import REPO_ROOT
 from tests.contract.fakes import FakeTrtllm
+from tests.suite_runs import run_suites
 
 
 def test_serve_prompt_sends_token_ids_and_reads_cached_tokens(trtllm: TrtllmAdapter, fake_trtllm) -> None:
@@ -216,25 +215,8 @@ def test_unreachable_url_names_the_engine(tmp_path: Path) -> None:
 
 
 def run_suite(url: str, tmp_path: Path, target: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            target,
-            "--engine",
-            "trtllm",
-            "--engine-url",
-            url,
-            "--results-dir",
-            str(tmp_path / "results"),
-            "-q",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    options = ["--engine", "trtllm", "--engine-url", url]
+    return run_suites([target], options, tmp_path / "results", timeout=300)[0]
 
 
 POOL_CHECK = "suites/offload_metrics/test_pool_stats.py"
