@@ -17,7 +17,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --progress-bar off "torch==2.13.0+cpu" \
 	  || $(BIN)/python -m pip install -q --progress-bar off "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/python -m pip install -q --progress-bar off -e '.[dev]'
+	$(BIN)/python -m pip install -q --progress-bar off -e '.[reference,dev]'
 	touch $@
 
 # The main job: every suite against the default (reference) engine, with the Allure report.
@@ -36,7 +36,7 @@ selftest: venv
 
 engines: venv
 	$(BIN)/kvconform env build $(REAL_ENGINES)
-	$(BIN)/python -m pytest suites $(addprefix --engine ,$(REAL_ENGINES)) \
+	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
 	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs
 	$(BIN)/python -m pytest tests/engines --results-dir $(RESULTS)/attach
 

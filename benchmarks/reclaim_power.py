@@ -30,7 +30,7 @@ def run(results: Path, cycles: int, instance_bytes: int, fault: str | None) -> d
         sys.executable,
         "-m",
         "pytest",
-        "suites/memory_reclaim",
+        "kvconform/suites/memory_reclaim",
         "--engine",
         "reference",
         "--check",

@@ -36,7 +36,7 @@ def main() -> None:
         sys.executable,
         "-m",
         "pytest",
-        "suites/prefix_reuse",
+        "kvconform/suites/prefix_reuse",
         "--engine",
         "vllm",
         "-q",

@@ -22,8 +22,6 @@ def main(argv: list[str] | None = None) -> int:
     path.add_argument("name", metavar="ENGINE")
     env_sub.add_parser("list", help="list specs and whether each is built")
 
-    sub.add_parser("faults", help="list the reference engine's faults and the checks that kill them")
-
     run = sub.add_parser("run", help="the main job: suites against an engine, with an Allure report")
     run.add_argument("--engine", action="append", default=[], help="engine (default: reference)")
     run.add_argument("--results-dir", default="results")
@@ -63,12 +61,6 @@ def _dispatch(args: argparse.Namespace) -> int:
                 spec = envs.load_spec(name)
                 state = "built" if (spec.directory / envs.MARKER).exists() else "not built"
                 print(f"{name:20s} {state:10s} {spec.directory}")
-        return 0
-    if args.command == "faults":
-        from engines.reference.faults import FAULTS
-
-        for name, fault in FAULTS.items():
-            print(f"{name:28s} killed by {', '.join(fault.killed_by)}\n{'':28s} {fault.description}")
         return 0
     if args.command == "run":
         from kvconform.mainjob import run_main_job

@@ -1,4 +1,8 @@
-"""Engine environments: one virtual environment per engine, built from a spec under ci/envs/.
+"""Engine environments: one virtual environment per engine, built from a spec.
+
+Specs are TOML files found in each registered adapter's `envs/` folder, and in the folders
+named by the `kvconform_env_specs` ini option or $KVCONFORM_ENV_SPECS (os.pathsep-separated),
+which come first.
 
 Engines pin conflicting torch/numpy versions, so none is ever installed into the suite's own
 environment. Each is built once per spec content and cached outside the checkout:
@@ -25,7 +29,7 @@ from typing import Any
 
 from kvconform.errors import UsageError
 
-SPEC_DIR = Path(__file__).resolve().parent.parent / "ci" / "envs"
+SPEC_DIRS_ENV = "KVCONFORM_ENV_SPECS"
 MARKER = "kvconform-env.json"
 BUILDER_VERSION = "1"  # bump when the build procedure itself changes
 
@@ -77,13 +81,43 @@ class BuiltEnv:
         return self.spec.bin(program)
 
 
+_extra_dirs: list[Path] = []
+
+
+def add_spec_dir(path: str | Path) -> None:
+    """Search `path` for specs before the adapters' own (a team's pins, candidate releases)."""
+    resolved = Path(path).resolve()
+    if resolved not in _extra_dirs:
+        _extra_dirs.append(resolved)
+
+
+def spec_dirs() -> list[Path]:
+    from kvconform import registry
+
+    dirs = [*_extra_dirs]
+    dirs += [Path(p).resolve() for p in os.environ.get(SPEC_DIRS_ENV, "").split(os.pathsep) if p]
+    for name in registry.names():
+        folder = registry.package_resources(name)
+        if folder is not None and (folder / "envs").is_dir():
+            dirs.append(Path(str(folder / "envs")))
+    return list(dict.fromkeys(dirs))
+
+
+def _spec_paths() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for folder in spec_dirs():
+        for path in sorted(folder.glob("*.toml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
 def known_specs() -> list[str]:
-    return sorted(p.stem for p in SPEC_DIR.glob("*.toml"))
+    return sorted(_spec_paths())
 
 
 def load_spec(name: str) -> EnvSpec:
-    path = SPEC_DIR / f"{name}.toml"
-    if not path.exists():
+    path = _spec_paths().get(name)
+    if path is None:
         raise UsageError(f"no environment spec {name!r} (known: {', '.join(known_specs())})")
     with path.open("rb") as fh:
         return EnvSpec(name, path, tomllib.load(fh))

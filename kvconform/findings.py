@@ -16,7 +16,7 @@ import pytest
 
 from kvconform.checkids import matches
 
-DEFAULT_MANIFEST = Path(__file__).resolve().parent.parent / "ci" / "known-failures.toml"
+MANIFEST_NAME = "known-failures.toml"  # in each adapter's package: the findings on its engine
 ENTRY_KEY = pytest.StashKey["Finding"]()
 
 
@@ -45,10 +45,37 @@ class Manifest:
         return None
 
 
-def load(path: str | None) -> Manifest:
-    source = Path(path) if path else DEFAULT_MANIFEST
+def default_manifests(engines: list[str]) -> list[Path]:
+    """The manifests shipped with the selected engines' adapters."""
+    from kvconform import registry
+
+    found = []
+    for name in engines:
+        folder = registry.package_resources(name)
+        if folder is not None and (folder / MANIFEST_NAME).is_file():
+            found.append(Path(str(folder / MANIFEST_NAME)))
+    return list(dict.fromkeys(found))
+
+
+def load(paths: str | Path | list[str | Path] | None, engines: list[str] | None = None) -> Manifest:
+    """The given manifest(s); none given: those shipped with `engines`' adapters."""
+    if paths is None or paths == []:
+        sources = default_manifests(engines or [])
+    elif isinstance(paths, str | Path):
+        sources = [Path(paths)]
+    else:
+        sources = [Path(p) for p in paths]
+    entries: list[Finding] = []
+    for source in sources:
+        entries += _load_one(source)
+    return Manifest(entries)
+
+
+def _load_one(source: Path) -> list[Finding]:
     if not source.exists():
-        return Manifest([])
+        from kvconform.errors import UsageError
+
+        raise UsageError(f"known-failures manifest {source} does not exist")
     with source.open("rb") as fh:
         data = tomllib.load(fh)
     entries = []
@@ -63,4 +90,4 @@ def load(path: str | None) -> Manifest:
                 link=raw.get("link", ""),
             )
         )
-    return Manifest(entries)
+    return entries

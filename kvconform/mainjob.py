@@ -15,22 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvconform.errors import KvconformError, UsageError
+from kvconform.errors import KvconformError
 
 NO_TESTS_COLLECTED = 5
 
 
-def checkout_root() -> Path:
-    """The directory holding suites/: this checkout, else the working directory."""
-    for candidate in (Path(__file__).resolve().parent.parent, Path.cwd()):
-        if (candidate / "suites").is_dir():
-            return candidate
-    raise UsageError("suites/ not found: run `kvconform run` from a kvconform checkout")
-
-
 def pytest_command(engines: list[str], results_dir: Path, pytest_args: list[str]) -> list[str]:
     """The pytest command line of the main job (without the interpreter)."""
-    cmd = ["-m", "pytest", "suites"]
+    cmd = ["-m", "pytest", "--pyargs", "kvconform.suites"]
     for engine in engines:
         cmd += ["--engine", engine]
     cmd += ["--results-dir", str(results_dir), "--alluredir", str(results_dir / "allure")]
@@ -39,13 +31,12 @@ def pytest_command(engines: list[str], results_dir: Path, pytest_args: list[str]
 
 
 def run_main_job(engines: list[str], results_dir: str, report_dir: str, pytest_args: list[str]) -> int:
-    root = checkout_root()
     results = Path(results_dir).resolve()
     report = Path(report_dir).resolve()
     results.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, *pytest_command(engines or ["reference"], results, pytest_args)]
     print(f"kvconform run: {' '.join(cmd)}", flush=True)
-    code = subprocess.run(cmd, cwd=root, check=False).returncode
+    code = subprocess.run(cmd, check=False).returncode
     if code == NO_TESTS_COLLECTED:
         print("kvconform run: pytest collected no checks (exit 5): treated as a failure", file=sys.stderr)
 

@@ -15,7 +15,7 @@ import allure
 if TYPE_CHECKING:
     import pytest
 
-    from adapters.base import EngineAdapter
+    from kvconform.contract import EngineAdapter
     from kvconform.results import Verdict
 
 _environment: dict[str, str] = {}
@@ -114,8 +114,11 @@ def write_allure_environment(config: pytest.Config, meta: dict[str, Any]) -> Non
     props["platform"] = meta.get("platform", "host")
     for engine, version in meta.get("engines", {}).items():
         props[f"engine.{engine}.version"] = version
-    if meta.get("faults"):
-        props["faults"] = ",".join(meta["faults"])
+    for engine, options in meta.get("engine_options", {}).items():
+        for key, value in options.items():
+            if value:
+                shown = ",".join(map(str, value)) if isinstance(value, list | tuple) else value
+                props[f"engine.{engine}.{key}"] = shown
     (out / "environment.properties").write_text(
         "\n".join(f"{k}={v}" for k, v in sorted(props.items())) + "\n"
     )

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvconform.drivers import DriverProcess
 from kvconform.errors import DriverError, EngineError, EngineStartError
+from kvconform.kit.drivers import DriverProcess
 
 DRIVERS = Path(__file__).parent / "fixtures" / "drivers"
 ENGINE = "fakeeng"

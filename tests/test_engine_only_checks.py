@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters import ADAPTERS
+from kvconform import registry
 from kvconform.checkids import matches
 from tests.doubles import DOUBLES, FAULT_ENV, faults_by_double
 from tests.suite_runs import run_suites
@@ -31,25 +31,25 @@ THIS = "tests/test_engine_only_checks.py"
 # double -> (suite files it runs, check ids it proves without their parameters)
 PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "testdouble_radix_cache": (
-        ("suites/prefix_reuse/test_radix_cache.py",),
+        ("kvconform/suites/prefix_reuse/test_radix_cache.py",),
         (
             "prefix_reuse::test_radix_cache_state_machine",
             "prefix_reuse::test_radix_unlock_without_lock_refused",
         ),
     ),
     "testdouble_radix_index": (
-        ("suites/prefix_reuse/test_radix_index.py",),
+        ("kvconform/suites/prefix_reuse/test_radix_index.py",),
         ("prefix_reuse::test_radix_index_matches_model",),
     ),
     "testdouble_replay": (
-        ("suites/prefix_reuse/test_replay.py", "suites/transfer/test_handoff.py"),
+        ("kvconform/suites/prefix_reuse/test_replay.py", "kvconform/suites/transfer/test_handoff.py"),
         (
             "prefix_reuse::test_trace_replay_reuse_matches_oracle",
             "transfer::test_handoff_time_matches_bytes_over_bandwidth",
         ),
     ),
     "testdouble_block_tracker": (
-        ("suites/transfer/test_block_tracker.py",),
+        ("kvconform/suites/transfer/test_block_tracker.py",),
         ("transfer::test_block_tracker_ownership_and_drain",),
     ),
 }
@@ -153,14 +153,14 @@ def test_proved_elsewhere_points_here_for_exactly_these_checks() -> None:
 
 
 def test_doubles_exist_only_with_their_plugin(tmp_path: Path) -> None:
-    assert not set(DOUBLES) & set(ADAPTERS), "test doubles registered outside their plugin"
+    assert not set(DOUBLES) & set(registry.adapters()), "test doubles registered outside their plugin"
     proc = run_double(tmp_path, "testdouble_replay", None, ["*"], plugin=False)
     assert proc.returncode != 0 and "unknown engine 'testdouble_replay'" in proc.stdout + proc.stderr, (
         proc.stdout[-1000:] + proc.stderr[-1000:]
     )
 
 
-CROSS_STACK = "suites/prefix_reuse/test_cross_stack.py"
+CROSS_STACK = "kvconform/suites/prefix_reuse/test_cross_stack.py"
 CROSS_STACK_CHECK = "prefix_reuse::test_events_replayed_into_router_index_match"
 
 

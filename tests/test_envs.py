@@ -33,7 +33,7 @@ def env_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def spec_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     specs = tmp_path / "specs"
     specs.mkdir()
-    monkeypatch.setattr(envs, "SPEC_DIR", specs)
+    monkeypatch.setattr(envs, "spec_dirs", lambda: [specs])
     return specs
 
 
@@ -135,3 +135,13 @@ def test_failing_step_is_a_usage_error_with_its_output(
     assert "environment 'broken': boom failed (exit 1)" in str(err.value)
     assert "no wheel for cu999" in str(err.value)
     assert not (envs.load_spec("broken").directory / envs.MARKER).exists()
+
+
+def test_specs_are_found_in_the_adapters_and_in_extra_folders(tmp_path: Path, monkeypatch) -> None:
+    assert {"vllm", "lmcache", "sglang", "sglang-server", "dynamo", "trtllm"} <= set(envs.known_specs())
+    assert envs.load_spec("vllm").path.parent.parent.name == "vllm", "the vLLM adapter owns its spec"
+    team = tmp_path / "team-specs"
+    team.mkdir()
+    (team / "vllm.toml").write_text('engine = "vllm"\n')
+    monkeypatch.setenv(envs.SPEC_DIRS_ENV, str(team))
+    assert envs.load_spec("vllm").path == team / "vllm.toml", "a team's folder comes first"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvconform import findings
+from kvconform.errors import UsageError
 from kvconform.findings import Finding, Manifest
 
 MANIFEST = """
@@ -65,8 +66,9 @@ def test_match(manifest: Manifest, engine: str, version: str, check: str, expect
     assert found is (manifest.entries[expected] if expected is not None else None)
 
 
-def test_missing_manifest_is_empty(tmp_path: Path) -> None:
-    assert findings.load(str(tmp_path / "nope.toml")).entries == []
+def test_missing_manifest_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"nope\.toml does not exist"):
+        findings.load(str(tmp_path / "nope.toml"))
 
 
 def test_missing_field_is_an_error(tmp_path: Path) -> None:
@@ -76,7 +78,8 @@ def test_missing_field_is_an_error(tmp_path: Path) -> None:
         findings.load(str(path))
 
 
-def test_shipped_manifest_loads() -> None:
-    manifest = findings.load(None)
+def test_shipped_manifests_load() -> None:
+    manifest = findings.load(None, engines=["vllm", "lmcache", "sglang", "dynamo"])
+    assert {f.engine for f in manifest.entries} == {"lmcache", "sglang", "dynamo"}
     assert all(isinstance(f, Finding) and f.engine and f.version and f.check for f in manifest.entries)
     assert all("::" in f.check for f in manifest.entries), "check patterns are suite::test ids"

@@ -29,7 +29,7 @@ def measure(name: str, value: Any, better: str | None = None, tolerance: float =
 def record(check: str, outcome: str = "passed", engine: str = "lmcache", measures=(), **kw: Any) -> dict:
     return {
         "check": check,
-        "nodeid": f"suites/x.py::{check}",
+        "nodeid": f"kvconform/suites/x.py::{check}",
         "engine": engine,
         "engine_version": kw.get("version", "0.5.5"),
         "platform": kw.get("platform", "NVIDIA H100 80GB HBM3"),

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.reference.faults import FAULTS
 from kvconform.checkids import matches
+from kvconform.engines.reference.faults import FAULTS
 from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def run_reference(results: Path, faults: list[str], checks: list[str]) -> dict[s
     options = ["--engine", "reference"]
     options += [arg for fault in faults for arg in ("--fault", fault)]
     options += [arg for check in checks for arg in ("--check", check)]
-    proc, records = run_suites([str(ROOT / "suites")], options, results)
+    proc, records = run_suites([str(ROOT / "kvconform" / "suites")], options, results)
     if not records:
         raise AssertionError(f"no results for faults={faults}: exit {proc.returncode}\n{proc.stdout[-3000:]}")
     return records

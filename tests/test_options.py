@@ -51,7 +51,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 
     def run(case: str) -> Run:
         args, _ = CASES[case]
-        argv = [sys.executable, "-m", "pytest", "suites", *args, "-p", "no:cacheprovider"]
+        argv = [sys.executable, "-m", "pytest", "kvconform/suites", *args, "-p", "no:cacheprovider"]
         argv += ["--results-dir", str(base / case)]
         t0 = time.monotonic()
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

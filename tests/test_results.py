@@ -69,7 +69,7 @@ def test_expect_edge_cases() -> None:
 
 
 def record(check: str, outcome: str = "passed") -> CheckRecord:
-    return CheckRecord(check, f"suites/x.py::{check}", "fake", "1.0", "host", outcome, 0.1, [], "")
+    return CheckRecord(check, f"kvconform/suites/x.py::{check}", "fake", "1.0", "host", outcome, 0.1, [], "")
 
 
 def test_record_writer_and_merge(tmp_path: Path) -> None:

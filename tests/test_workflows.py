@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from adapters import ADAPTERS
 from kvconform import cli
 from kvconform.mainjob import pytest_command
+from kvconform.registry import BUILTIN as ADAPTERS
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with the dev tools: pip install -e '.[dev]'")
 

@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from engines.reference.publisher import EventPublisher, cleared_event, removed_event, stored_event
+from kvconform.engines.reference.publisher import EventPublisher, cleared_event, removed_event, stored_event
 from kvconform.events import EventLedger
+from kvconform.kit.zmq_events import ZmqEventSubscriber, decode_batch
 from kvconform.processes import free_port
-from kvconform.zmq_events import ZmqEventSubscriber, decode_batch
 
 TOPIC = "kv@selftest"
 Pair = tuple[EventPublisher, ZmqEventSubscriber, EventLedger]

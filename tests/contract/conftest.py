@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.base import AdapterContext
-from adapters.omlx import OmlxAdapter
-from adapters.trtllm import TrtllmAdapter
+from kvconform.adapters.omlx.adapter import OmlxAdapter
+from kvconform.adapters.trtllm.adapter import TrtllmAdapter
+from kvconform.contract import AdapterContext
 from tests.contract.fakes import FakeOmlx, FakeTrtllm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

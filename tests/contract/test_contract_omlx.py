@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.base import AdapterContext
-from adapters.base import Capability as C
-from adapters.omlx import OmlxAdapter, token_ids, words
+from kvconform.adapters.omlx.adapter import OmlxAdapter, token_ids, words
+from kvconform.contract import AdapterContext
+from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
 from tests.contract.fakes import FakeOmlx

@@ -19,23 +19,19 @@ from types import SimpleNamespace
 
 import pytest
 
-import adapters.sglang as sglang_module
-from adapters.base import AdapterContext, EngineConfig
-from adapters.base import Capability as C
-from adapters.sglang import INPROCESS_CAPABILITIES, MODE_ENV, SglangAdapter
+import kvconform.adapters.sglang.adapter as sglang_module
+from kvconform.adapters.sglang.adapter import INPROCESS_CAPABILITIES, SglangAdapter
+from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
+from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
+from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.processes import free_port
-from kvconform.zmq_events import ZmqEventSubscriber
 from tests.contract.fake_sglang import FakeSglang, FakeSglangPublisher, removed, stored
 from tests.suite_runs import run_suites
 
 ATTACHED = frozenset({C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.RESET_PREFIX_CACHE, C.FORCED_EVICTION})
-
-
-@pytest.fixture(autouse=True)
-def _inprocess_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(MODE_ENV, raising=False)
 
 
 @pytest.fixture
@@ -47,7 +43,7 @@ def fake_sglang() -> Iterator[FakeSglang]:
 
 @pytest.fixture
 def sglang(fake_sglang: FakeSglang, tmp_path: Path) -> Iterator[SglangAdapter]:
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake_sglang.url, request_timeout_s=5))
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=fake_sglang.url, request_timeout_s=5))
     yield adapter
     adapter.close()
 
@@ -72,9 +68,10 @@ def test_generate_sends_input_ids_and_reads_cached_tokens(sglang: SglangAdapter,
 
 def test_prompt_counted_differently_is_refused(tmp_path: Path) -> None:
     fake = FakeSglang(mode="bos")
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
     try:
-        with pytest.raises(EngineError, match=r"engine sglang: /generate counted 41 prompt tokens for 40"):
+        expected = r"engine sglang-server: /generate counted 41 prompt tokens for 40"
+        with pytest.raises(EngineError, match=expected):
             adapter.serve_prompt(list(range(10, 50)))
     finally:
         fake.close()
@@ -82,9 +79,10 @@ def test_prompt_counted_differently_is_refused(tmp_path: Path) -> None:
 
 def test_missing_cached_tokens_is_a_clear_engine_error(tmp_path: Path) -> None:
     fake = FakeSglang(mode="no_cached")
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
     try:
-        with pytest.raises(EngineError, match=r"engine sglang: /generate: meta_info.cached_tokens is None"):
+        expected = r"engine sglang-server: /generate: meta_info.cached_tokens is None"
+        with pytest.raises(EngineError, match=expected):
             adapter.serve_prompt(list(range(10, 50)))
     finally:
         fake.close()
@@ -118,7 +116,7 @@ def test_flush_cache_gives_up_with_the_servers_message(
 
 def test_flush_cache_http_500_is_not_retried(sglang: SglangAdapter, fake_sglang) -> None:
     fake_sglang.faults["/flush_cache"] = "500"
-    with pytest.raises(EngineError, match=r"engine sglang: POST /flush_cache -> HTTP 500"):
+    with pytest.raises(EngineError, match=r"engine sglang-server: POST /flush_cache -> HTTP 500"):
         sglang.reset_prefix_cache()
     assert len([p for _, p in fake_sglang.log if p.startswith("/flush_cache")]) == 1
 
@@ -133,7 +131,7 @@ def test_server_info_gives_version_page_size_and_capacity(sglang: SglangAdapter)
 
 def test_older_server_info_endpoint_is_used_when_the_new_one_is_missing(tmp_path: Path) -> None:
     fake = FakeSglang(page_size=16, legacy=True)
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
     try:
         assert adapter.block_size() == 16
         assert ("GET", "/get_server_info") in fake.log
@@ -167,39 +165,31 @@ def test_eviction_counter_moves_past_capacity(sglang: SglangAdapter) -> None:
 
 
 # ---- capabilities ---------------------------------------------------------------------------
-def test_capabilities_by_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     inprocess = SglangAdapter(AdapterContext(workdir=tmp_path))
-    attached = SglangAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
+    attached = SglangServerAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
     assert not inprocess.server_mode and attached.server_mode
     assert inprocess.effective_capabilities() == INPROCESS_CAPABILITIES
     assert attached.effective_capabilities() == ATTACHED  # only what works over HTTP
-    # the plugin skips from the class: attached it must agree with the adapter on every
-    # capability a check `requires` (PREFIX_HIT_COUNTERS is only ever asked through has())
-    cls_attached = SglangAdapter.capabilities - SglangAdapter.attach_capabilities_removed
-    assert cls_attached == ATTACHED - {C.PREFIX_HIT_COUNTERS}
-    monkeypatch.setenv(MODE_ENV, "server")
-    launched = SglangAdapter(AdapterContext(workdir=tmp_path))
+    launched = SglangServerAdapter(AdapterContext(workdir=tmp_path))
     assert launched.server_mode and launched.env_spec == "sglang-server"
     caps = launched.effective_capabilities()
-    assert SglangAdapter.capabilities == caps
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
-    with pytest.raises(NotImplementedError, match="needs KVCONFORM_SGLANG_MODE=inprocess"):
+    with pytest.raises(NotImplementedError, match=r"in-process only \(--engine sglang\)"):
         launched.radix_new(16, 1024)
-    monkeypatch.setenv(MODE_ENV, "gpu")
-    with pytest.raises(UsageError, match="expected 'inprocess' or 'server'"):
-        SglangAdapter(AdapterContext(workdir=tmp_path))
+    with pytest.raises(UsageError, match="--engine sglang-server"):
+        SglangAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
 
 
-def test_server_env_spec_without_server_mode_is_refused(tmp_path: Path) -> None:
+def test_server_env_spec_for_the_in_process_engine_is_refused(tmp_path: Path) -> None:
     adapter = SglangAdapter(AdapterContext(workdir=tmp_path, env_name="sglang-server"))
-    with pytest.raises(UsageError, match=r"set KVCONFORM_SGLANG_MODE=server"):
+    with pytest.raises(UsageError, match=r"--engine sglang-server"):
         adapter.preflight()
 
 
 def test_launch_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(MODE_ENV, "server")
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path))
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path))
     python = tmp_path / "venv" / "bin" / "python"
     monkeypatch.setattr(adapter, "env", lambda: SimpleNamespace(python=python))
     monkeypatch.setattr(adapter, "model_dir", lambda: tmp_path / "model")
@@ -221,7 +211,7 @@ def test_launch_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 # ---- KV events (launch mode's transport, with SGLang's encoding) -----------------------------
 def test_sglang_kv_events_reach_the_ledger_and_gaps_are_replayed(tmp_path: Path) -> None:
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path))
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path))
     ports = free_port(), free_port()
     config = adapter.kv_events_config(f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}")
     ledger = EventLedger()
@@ -258,11 +248,11 @@ def test_sglang_kv_events_reach_the_ledger_and_gaps_are_replayed(tmp_path: Path)
 @pytest.mark.parametrize(
     ("path", "fault", "call", "expected"),
     [
-        ("/generate", "garbage", "serve", r"engine sglang: /generate returned non-JSON"),
-        ("/generate", "500", "serve", r"engine sglang: POST /generate -> HTTP 500"),
-        ("/metrics", "500", "metrics", r"engine sglang: GET /metrics -> HTTP 500"),
-        ("/server_info", "garbage", "info", r"engine sglang: /server_info returned non-JSON"),
-        ("/server_info", "500", "info", r"engine sglang: GET /server_info -> HTTP 500"),
+        ("/generate", "garbage", "serve", r"engine sglang-server: /generate returned non-JSON"),
+        ("/generate", "500", "serve", r"engine sglang-server: POST /generate -> HTTP 500"),
+        ("/metrics", "500", "metrics", r"engine sglang-server: GET /metrics -> HTTP 500"),
+        ("/server_info", "garbage", "info", r"engine sglang-server: /server_info returned non-JSON"),
+        ("/server_info", "500", "info", r"engine sglang-server: GET /server_info -> HTTP 500"),
     ],
 )
 def test_bad_answers_are_clear_engine_errors(
@@ -280,24 +270,24 @@ def test_bad_answers_are_clear_engine_errors(
 
 def test_unreachable_url_names_the_engine(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    adapter = SglangAdapter(AdapterContext(workdir=tmp_path, url=url))
-    with pytest.raises(UsageError, match=rf"engine sglang at {url} is unreachable"):
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=url))
+    with pytest.raises(UsageError, match=rf"engine sglang-server at {url} is unreachable"):
         adapter.preflight()
 
 
 # ---- the suite against the fake, as a user runs it (attach mode) ----------------------------
 def run_suite(url: str, tmp_path: Path, target: str) -> subprocess.CompletedProcess[str]:
-    options = ["--engine", "sglang", "--engine-url", url]
-    return run_suites([target], options, tmp_path / "results", env={MODE_ENV: ""}, timeout=300)[0]
+    options = ["--engine", "sglang-server", "--engine-url", url]
+    return run_suites([target], options, tmp_path / "results", timeout=300)[0]
 
 
 def test_prefix_reuse_suite_passes_on_a_block_exact_server(fake_sglang, tmp_path: Path) -> None:
-    run = run_suite(fake_sglang.url, tmp_path, "suites/prefix_reuse")
+    run = run_suite(fake_sglang.url, tmp_path, "kvconform/suites/prefix_reuse")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "failed" not in run.stdout
     assert "4 passed" in run.stdout, run.stdout[-2000:]
     records = json.loads((tmp_path / "results" / "results.json").read_text())
-    assert records["session"]["engines"] == {"sglang": "0.5.23+contract-fake"}
+    assert records["session"]["engines"] == {"sglang-server": "0.5.23+contract-fake"}
     ran = {r["check"]: r["outcome"] for r in records["records"] if r["outcome"] != "skipped"}
     assert ran == {
         "prefix_reuse::test_repeated_prompt_served_from_cache": "passed",
@@ -310,12 +300,12 @@ def test_prefix_reuse_suite_passes_on_a_block_exact_server(fake_sglang, tmp_path
 def test_prefix_reuse_suite_fails_with_numbers_when_partial_pages_lose_hits(tmp_path: Path) -> None:
     fake = FakeSglang(mode="partial_loss")
     try:
-        run = run_suite(fake.url, tmp_path, "suites/prefix_reuse/test_block_reuse.py")
+        run = run_suite(fake.url, tmp_path, "kvconform/suites/prefix_reuse/test_block_reuse.py")
     finally:
         fake.close()
     assert run.returncode == 1, run.stdout[-3000:]
     assert "1 failed" in run.stdout and "2 passed" in run.stdout, run.stdout[-3000:]
-    assert "test_partial_block_prefix_hits_match_oracle[sglang-32]" in run.stdout
+    assert "test_partial_block_prefix_hits_match_oracle[sglang-server-32]" in run.stdout
     expected = (
         "cached_tokens_in_response = 0 tokens, expected == 96 tokens [VIOLATED] (oracle floor(113/32)*32)"
     )
@@ -325,6 +315,6 @@ def test_prefix_reuse_suite_fails_with_numbers_when_partial_pages_lose_hits(tmp_
 
 def test_unreachable_engine_url_stops_the_session_with_one_line(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    run = run_suite(url, tmp_path, "suites/prefix_reuse/test_block_reuse.py")
+    run = run_suite(url, tmp_path, "kvconform/suites/prefix_reuse/test_block_reuse.py")
     assert run.returncode != 0
-    assert f"engine sglang at {url} is unreachable" in run.stdout + run.stderr
+    assert f"engine sglang-server at {url} is unreachable" in run.stdout + run.stderr

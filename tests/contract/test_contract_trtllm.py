@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.base import AdapterContext
-from adapters.base import Capability as C
-from adapters.trtllm import TrtllmAdapter, parse_kv_event
+from kvconform.adapters.trtllm.adapter import TrtllmAdapter, parse_kv_event
+from kvconform.contract import AdapterContext
+from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
 from tests.contract.fakes import FakeTrtllm
@@ -219,7 +219,7 @@ def run_suite(url: str, tmp_path: Path, target: str) -> subprocess.CompletedProc
     return run_suites([target], options, tmp_path / "results", timeout=300)[0]
 
 
-POOL_CHECK = "suites/offload_metrics/test_pool_stats.py"
+POOL_CHECK = "kvconform/suites/offload_metrics/test_pool_stats.py"
 
 
 def test_pool_stats_check_passes_on_consistent_engine(fake_trtllm, tmp_path: Path) -> None:

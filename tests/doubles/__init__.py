@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import importlib
 
-from engines.reference.faults import Fault
+from kvconform.engines.reference.faults import Fault
 
 FAULT_ENV = "KVCONFORM_DOUBLE_FAULT"
 
-# engine name -> "module:class", added to adapters.ADAPTERS by tests/doubles/plugin.py only.
+# engine name -> "module:class", registered by tests/doubles/plugin.py only.
 DOUBLES: dict[str, str] = {
     "testdouble_radix_cache": "tests.doubles.radix_cache:RadixCacheDouble",
     "testdouble_radix_index": "tests.doubles.radix_index:RadixIndexDouble",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import ClassVar
 
-from adapters.base import AdapterContext, EngineAdapter, EngineConfig
-from engines.reference.faults import Fault
+from kvconform.contract import AdapterContext, EngineAdapter, EngineConfig
+from kvconform.engines.reference.faults import Fault
 from tests.doubles import FAULT_ENV
 
 

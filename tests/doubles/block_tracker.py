@@ -22,8 +22,8 @@ from collections import Counter
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
-from adapters.base import Capability
-from engines.reference.faults import Fault
+from kvconform.contract import Capability
+from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
 _CHECK = ("transfer::test_block_tracker_ownership_and_drain",)

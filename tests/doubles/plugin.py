@@ -1,6 +1,6 @@
 """pytest plugin that registers the test doubles as extra engines, for this pytest run only.
 
-    python -m pytest suites/... --engine testdouble_radix_cache -p tests.doubles.plugin
+    python -m pytest kvconform/suites/... --engine testdouble_radix_cache -p tests.doubles.plugin
 
 Without `-p tests.doubles.plugin` the doubles do not exist: a normal run can never select one,
 and no result of a double can pass for a run of an engine. KVCONFORM_DOUBLE_FAULT names the one
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from adapters import ADAPTERS
+from kvconform import registry
 from tests.doubles import DOUBLES, FAULT_ENV, faults_by_double
 
 
@@ -23,12 +23,14 @@ def pytest_configure(config: pytest.Config) -> None:
     known = {f for faults in faults_by_double().values() for f in faults}
     if fault and fault not in known:
         raise pytest.UsageError(f"{FAULT_ENV}={fault!r} is no test-double fault (known: {sorted(known)})")
-    clash = set(DOUBLES) & set(ADAPTERS)
-    if clash - {n for n in clash if ADAPTERS[n] == DOUBLES[n]}:
+    known_engines = registry.adapters()
+    clash = {n for n in set(DOUBLES) & set(known_engines) if known_engines[n] != DOUBLES[n]}
+    if clash:
         raise pytest.UsageError(f"test doubles would shadow real engines: {sorted(clash)}")
-    ADAPTERS.update(DOUBLES)
+    for name, target in DOUBLES.items():
+        registry.register(name, target)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     for name in DOUBLES:
-        ADAPTERS.pop(name, None)
+        registry.unregister(name)

@@ -21,8 +21,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from adapters.base import Capability
-from engines.reference.faults import Fault
+from kvconform.contract import Capability
+from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
 _CHECK = ("prefix_reuse::test_radix_index_matches_model",)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from adapters.base import Capability
-from engines.reference.faults import Fault
+from kvconform.contract import Capability
+from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
 _REPLAY = ("prefix_reuse::test_trace_replay_reuse_matches_oracle",)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from adapters.vllm import serve_command
 from kvconform import envs
-from kvconform.drivers import DRIVERS_DIR
+from kvconform.adapters.vllm.adapter import serve_command
 from kvconform.errors import UsageError
+from kvconform.kit.drivers import engine_side_script
 from kvconform.processes import EngineProcess, free_port, wait_until_ready
 from tests.suite_runs import run_suites
 
@@ -33,7 +33,7 @@ def operator_vllm(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(str(exc))
     work = tmp_path_factory.mktemp("attach")
     subprocess.run(
-        [str(env.python), str(DRIVERS_DIR / "make_tiny_model.py"), str(work / "model")],
+        [str(env.python), str(engine_side_script("make_tiny_model.py")), str(work / "model")],
         check=True,
         capture_output=True,
         timeout=300,
@@ -63,7 +63,8 @@ def operator_vllm(tmp_path_factory: pytest.TempPathFactory):
 
 def test_attach_mode_runs_the_checks_that_need_no_ownership(operator_vllm, tmp_path: Path) -> None:
     url, server = operator_vllm
-    proc, by_check = run_suites(["suites"], ["--engine", "vllm", "--engine-url", url], tmp_path / "results")
+    options = ["--engine", "vllm", "--engine-url", url]
+    proc, by_check = run_suites(["kvconform/suites"], options, tmp_path / "results")
     records = list(by_check.values())
     by_outcome: dict[str, list[dict]] = {}
     for record in records:

@@ -1,0 +1,1 @@
+"""dynamo adapter package: adapter.py, envs/, drivers/."""

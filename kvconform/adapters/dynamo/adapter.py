@@ -1,0 +1,351 @@
+"""Dynamo: frontend with the KV router + mocker workers (file discovery, TCP request plane,
+ZMQ event plane: no etcd, no NATS), and in-process through adapters/drivers/dynamo_driver.py
+(RadixTree, offline replay), plus the slot tracker service.
+
+Dynamo writes into $HOME/.cache and $TMPDIR and keeps discovery files: each stack gets its
+own HOME, TMPDIR and discovery directory under the work directory.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+from typing import Any, ClassVar
+
+import requests
+
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+    poll_until,
+)
+from kvconform.errors import EngineError, EngineStartError
+from kvconform.kit.drivers import DriverProcess, engine_side_script
+from kvconform.kit.server import LaunchedServer
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import TeardownReport, free_port
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
+
+C = Capability
+MODEL_NAME = "tiny"
+WORKERS = 2
+GPU_BLOCKS = 256  # per mocker
+DISAGG_BANDWIDTH_GBPS = 10.0
+
+
+class DynamoAdapter(EngineAdapter):
+    name = "dynamo"
+    env_spec = "dynamo"
+    default_block_size = 16
+    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    workers: ClassVar[int] = WORKERS
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.BLOCK_SIZE_CONFIG,
+            C.RESTART,
+            C.FORCED_EVICTION,
+            C.HOST_MEMORY,
+            C.LONG_SESSION,
+            C.ROUTER_PREDICTION,
+            C.RADIX_INDEX,
+            C.TRACE_REPLAY,
+            C.BLOCK_TRACKER,
+            C.DISAGG_SERVING,
+        }
+    )
+    metric_names: ClassVar[dict[str, str]] = {
+        "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
+        "prefix_hits": "dynamo_frontend_cached_tokens_sum",
+        "router_events_applied": "dynamo_component_kv_cache_events_applied_total",
+        "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
+    }
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.frontend: LaunchedServer | None = None
+        self.mockers: list[LaunchedServer] = []
+        self.driver: DriverProcess | None = None
+        self.tracker: LaunchedServer | None = None
+        self.tracker_url = ""
+        self._model_dir: Path | None = None
+        self._stacks = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def model_dir(self) -> Path:
+        if self._model_dir is None:
+            out = self.ctx.workdir / "model"
+            if not (out / "config.json").exists():
+                subprocess.run(
+                    [str(self.env().python), str(engine_side_script("make_tiny_model.py")), str(out)],
+                    check=True,
+                    capture_output=True,
+                    timeout=300,
+                )
+            self._model_dir = out
+        return self._model_dir
+
+    def stack_env(self, stack: Path) -> dict[str, str]:
+        for sub in ("kv", "home", "tmp", "hf"):
+            (stack / sub).mkdir(parents=True, exist_ok=True)
+        return {
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_FILE_KV": str(stack / "kv"),
+            "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq",
+            "DYN_TCP_RPC_HOST": "127.0.0.1",
+            "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+            "DYN_SYSTEM_HOST": "127.0.0.1",
+            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+            "HOME": str(stack / "home"),
+            "TMPDIR": str(stack / "tmp"),
+            "HF_HOME": str(stack / "hf"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+
+    def start(self, config: EngineConfig) -> None:
+        if config.offload or config.persistent:
+            raise NotImplementedError("Dynamo mockers have no offload/persistent tier wired here")
+        block = config.block_size or self.default_block_size
+        self._stacks += 1
+        stack = self.ctx.workdir / f"stack-{self._stacks}"
+        env = self.stack_env(stack)
+        python = str(self.env().python)
+        planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.frontend = LaunchedServer(
+            self.name,
+            "dynamo-frontend",
+            [
+                python,
+                "-m",
+                "dynamo.frontend",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                "--router-mode",
+                "kv",
+                "--kv-cache-block-size",
+                str(block),
+                *planes,
+            ],
+            self.ctx.workdir,
+            self.url("/live"),
+            env=env,
+            timeout_s=self.ctx.start_timeout_s,
+            session=self.http,
+        )
+        self.mockers = []
+        for i, role in enumerate(self.worker_roles(config)):
+            system_port = free_port()
+            self.mockers.append(
+                LaunchedServer(
+                    self.name,
+                    f"dynamo-mocker-{i}-{role or 'agg'}",
+                    [
+                        python,
+                        "-m",
+                        "dynamo.mocker",
+                        "--model-path",
+                        str(self.model_dir()),
+                        "--model-name",
+                        MODEL_NAME,
+                        "--block-size",
+                        str(block),
+                        "--num-gpu-blocks-override",
+                        str(GPU_BLOCKS),
+                        "--speedup-ratio",
+                        "100",
+                        *planes,
+                        *self.disagg_args(role),
+                    ],
+                    self.ctx.workdir,
+                    f"http://127.0.0.1:{system_port}/health",
+                    env={
+                        **env,
+                        "DYN_SYSTEM_PORT": str(system_port),
+                        "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
+                    },
+                    timeout_s=self.ctx.start_timeout_s,
+                    session=self.http,
+                )
+            )
+        if not poll_until(
+            self._all_workers_routable, timeout_s=min(120.0, self.ctx.start_timeout_s), interval_s=0.2
+        ):
+            tails = "\n".join(f"--- {n}\n{t}" for n, t in self.describe_logs().items())
+            self.stop()
+            raise EngineStartError(
+                self.name, f"frontend never listed {WORKERS} workers for model {MODEL_NAME}", tails
+            )
+        self.config = config
+
+    @staticmethod
+    def worker_roles(config: EngineConfig) -> list[str | None]:
+        return ["prefill", "decode"] if config.disaggregated else [None] * WORKERS
+
+    def disagg_args(self, role: str | None) -> list[str]:
+        """Prefill/decode mockers hand KV off at the model's bytes per token over a set link."""
+        if role is None:
+            return []
+        args = [
+            "--disaggregation-mode",
+            role,
+            "--kv-bytes-per-token",
+            str(self.model.kv_bytes_per_token()),
+            "--kv-transfer-bandwidth",
+            str(DISAGG_BANDWIDTH_GBPS),
+        ]
+        return [*args, "--bootstrap-ports", str(free_port())] if role == "prefill" else args
+
+    def _all_workers_routable(self) -> bool:
+        try:
+            health = self.http.get(self.url("/health"), timeout=2).json()
+            models = self.http.get(self.url("/v1/models"), timeout=2).json()
+        except (requests.RequestException, ValueError):
+            return False
+        routable = [i for i in health.get("instances", []) if i.get("endpoint") == "generate"]
+        listed = any(m.get("id") == MODEL_NAME for m in models.get("data", []))
+        return listed and len(routable) >= WORKERS
+
+    def stop(self) -> list[TeardownReport]:
+        reports = [m.stop() for m in self.mockers]
+        if self.frontend is not None:
+            reports.append(self.frontend.stop())
+        self.mockers, self.frontend = [], None
+        self.config = None
+        return reports
+
+    def close(self) -> None:
+        super().close()
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+        if self.tracker is not None:
+            self.tracker.stop()
+            self.tracker = None
+
+    def running(self) -> bool:
+        procs = [self.frontend, *self.mockers]
+        return self.frontend is not None and all(p is not None and p.process.alive() for p in procs)
+
+    def attached_version(self) -> str:
+        return "unknown (attached)"
+
+    # ---- requests -----------------------------------------------------------------------
+    def _complete(self, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": tokens,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "nvext": {"extra_fields": ["worker_id", "timing"]},
+        }
+        return self.post_json("/v1/completions", body)
+
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
+
+    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+        if self.config is None or not self.config.disaggregated:
+            raise EngineError(self.name, "serve_disaggregated needs EngineConfig(disaggregated=True)")
+        return self.serve_prompt(tokens)
+
+    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
+        """The router's prediction for this request: nvext.timing.kv_hit_rate is matched
+        blocks / prompt blocks, so matched tokens = rate x ceil(n / block) x block."""
+        data = self._complete(tokens, 1)
+        served = self.served_from_openai(data, tokens)
+        rate = ((data.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
+        if rate is None:
+            raise EngineError(self.name, f"response lacks nvext.timing.kv_hit_rate: {data.get('nvext')}")
+        block = self.block_size()
+        return round(float(rate) * math.ceil(len(tokens) / block)) * block, served
+
+    def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
+        """KV events the router applied with a status other than ok, by status."""
+        name = self.metric_names["router_events_applied"]
+        statuses = {labels.get("status", "?") for labels in after.labels_of(name)}
+        out = {}
+        for status in sorted(statuses - {"ok"}):
+            delta = after.value(name, 0.0, status=status) - before.value(name, 0.0, status=status)
+            if delta:
+                out[status] = delta
+        return out
+
+    def metrics(self) -> MetricSnapshot:
+        return self.scrape("/metrics")
+
+    def cache_capacity_tokens(self) -> int:
+        return GPU_BLOCKS * self.block_size()  # per worker; the router spreads the fill
+
+    def kv_pool_bytes(self) -> int:
+        return WORKERS * GPU_BLOCKS * self.model.block_bytes(self.block_size())
+
+    def engine_pids(self) -> list[int]:
+        return [pid for p in (self.frontend, *self.mockers) if p is not None for pid in p.pids()]
+
+    # ---- in-process (RADIX_INDEX, TRACE_REPLAY) -----------------------------------------
+    def radix_index(self, op: str, **args: Any) -> Any:
+        return self.inproc(op, **args)
+
+    def replay(
+        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
+    ) -> dict[str, Any]:
+        return self.inproc("replay", trace=trace, engine_args=engine_args, mode=mode, **options)
+
+    def inproc(self, op: str, **args: Any) -> Any:
+        if self.driver is None or not self.driver.process.alive():
+            self.driver = DriverProcess(
+                self.name,
+                self.env().python,
+                DRIVERS / "dynamo_driver.py",
+                self.ctx.workdir / "logs" / "dynamo-driver.log",
+                env=self.stack_env(self.ctx.workdir / "driver"),
+            )
+        return self.driver.call(op, **args)
+
+    # ---- slot tracker (BLOCK_TRACKER) ---------------------------------------------------
+    def block_tracker(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One call to the slot tracker service; (HTTP status, decoded JSON or None)."""
+        if self.tracker is None or not self.tracker.process.alive():
+            port = free_port()
+            self.tracker_url = f"http://127.0.0.1:{port}"
+            self.tracker = LaunchedServer(
+                self.name,
+                "dynamo-slot-tracker",
+                [str(self.env().python), "-m", "dynamo.slot_tracker", "--port", str(port)],
+                self.ctx.workdir,
+                f"{self.tracker_url}/health",
+                env=self.stack_env(self.ctx.workdir / "tracker"),
+                timeout_s=60,
+                session=self.http,
+            )
+        resp = self.http.request(method, f"{self.tracker_url}{path}", json=body, timeout=10)
+        try:
+            payload = resp.json() if resp.content else None
+        except ValueError:
+            payload = resp.text
+        return resp.status_code, payload
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.frontend.log_tail(lines) if self.frontend else ""
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = {}
+        for server in (self.frontend, *self.mockers, self.tracker):
+            if server is not None:
+                logs[server.process.name] = server.log_tail(60)
+        if self.driver is not None:
+            logs["dynamo driver"] = self.driver.log_tail(60)
+        return logs

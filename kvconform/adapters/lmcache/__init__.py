@@ -1,0 +1,1 @@
+"""lmcache adapter package: adapter.py, envs/, drivers/."""

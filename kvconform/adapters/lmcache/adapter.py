@@ -1,0 +1,392 @@
+"""LMCache: its multiprocess server (driven by a client of our own that plays a serving
+engine's worker) and its in-process engine (the `destroy` release path).
+
+The client (adapters/drivers/lmcache_mp_client.py) registers KV memory over POSIX shared
+memory, looks up, retrieves (checking every byte against what was stored), stores and
+unregisters through LMCache's own client code. Killing that client is how the stale-instance
+reaper is exercised; stopping the server is the `close` path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+)
+from kvconform.errors import EngineError, UsageError
+from kvconform.kit.drivers import DriverProcess
+from kvconform.kit.server import LaunchedServer
+from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import TeardownReport, free_port
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
+
+C = Capability
+L1_GB = 0.05  # small, so eviction is reachable and the server's RSS stays ~470 MB
+REAP_TIMEOUT_S = 30  # LMCache's minimum
+SERVING_INSTANCE = 1
+SERVING_BLOCKS = 512  # 8192 tokens of 16-token blocks
+CHURN_BLOCKS = 256  # 4096 tokens: 4 MiB of KV per instance
+LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1"}
+
+
+class LmcacheAdapter(EngineAdapter):
+    name = "lmcache"
+    env_spec = "lmcache"
+    default_block_size = 256  # LMCache's chunk size
+    recomputes_last_token = False  # a cache store returns every stored chunk
+    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.RESET_PREFIX_CACHE,
+            C.BLOCK_SIZE_CONFIG,
+            C.RESTART,
+            C.PERSISTENT_PREFIX,
+            C.CORRUPT_PERSISTED,
+            C.FORCED_EVICTION,
+            C.HOST_MEMORY,
+            C.INSTANCE_CHURN,
+            C.INSTANCE_REGISTRY,
+            C.LONG_SESSION,
+            C.TIERED_STORE_METRICS,
+        }
+    )
+    metric_names: ClassVar[dict[str, str]] = {
+        "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
+        "prefix_hits": "lmcache_mp_lookup_hit_tokens_total",
+        "lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
+        "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",
+        "l1_usage_bytes": "lmcache_mp_l1_memory_usage_bytes",
+        "l1_usage_ratio": "lmcache_mp_l1_usage_ratio",
+        "l2_usage_bytes": "lmcache_mp_l2_usage_bytes",
+        "l2_store_submitted": "lmcache_mp_l2_store_submitted_objects_chunks_total",
+        "l2_store_completed": "lmcache_mp_l2_store_completed_objects_chunks_total",
+    }
+    lazy_counters: ClassVar[frozenset[str]] = frozenset(
+        {
+            "prefix_queries",
+            "prefix_hits",
+            "lookup_requested_tokens",
+            "lookup_hit_tokens",
+            "l2_store_submitted",
+            "l2_store_completed",
+        }
+    )
+    churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close", "destroy")
+    health_path = "/healthcheck"
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.server: LaunchedServer | None = None
+        self.client: DriverProcess | None = None
+        self.churner: DriverProcess | None = None
+        self.inproc: DriverProcess | None = None
+        self.rpc_url = ""
+        self.churn_path = "unregister"
+        self.closed_leftovers = {"processes": 0, "shm_bytes": 0}
+        self.killed_client_files = 0
+        self.instances_made = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def l2_dir(self) -> Path:
+        return self.ctx.workdir / "l2"
+
+    def start(self, config: EngineConfig) -> None:
+        chunk = config.block_size or self.default_block_size
+        rpc_port, http_port = free_port(), free_port()
+        argv = [
+            str(self.env().bin("lmcache")),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(rpc_port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--chunk-size",
+            str(chunk),
+            "--l1-size-gb",
+            str(L1_GB),
+            "--eviction-policy",
+            "LRU",
+            "--worker-reap-timeout-seconds",
+            str(REAP_TIMEOUT_S),
+            "--worker-registration-grace-seconds",
+            str(REAP_TIMEOUT_S),
+        ]
+        if config.persistent:
+            self.l2_dir().mkdir(parents=True, exist_ok=True)
+            argv += ["--l2-adapter", f'{{"type":"fs","base_path":"{self.l2_dir()}"}}']
+        self.base_url = f"http://127.0.0.1:{http_port}"
+        self.rpc_url = f"tcp://127.0.0.1:{rpc_port}"
+        self.server = LaunchedServer(
+            self.name,
+            "lmcache-server",
+            argv,
+            self.ctx.workdir,
+            self.url(self.health_path),
+            env=LMCACHE_ENV,
+            timeout_s=self.ctx.start_timeout_s,
+            session=self.http,
+        )
+        self.config = config
+        self.client = self._client("lmcache-client")
+        self.client.call("register", instance_id=SERVING_INSTANCE, num_blocks=SERVING_BLOCKS, heartbeat_s=5.0)
+
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        """Attached, the suite still needs its client: it speaks LMCache's RPC protocol, whose
+        address the HTTP URL does not give (KVCONFORM_LMCACHE_RPC_URL)."""
+        super().ensure(config)
+        if self.attached and self.client is None:
+            self.rpc_url = os.environ.get("KVCONFORM_LMCACHE_RPC_URL", "")
+            if not self.rpc_url:
+                raise UsageError(
+                    "engine lmcache in attach mode: set KVCONFORM_LMCACHE_RPC_URL to the server's "
+                    "RPC address (tcp://HOST:PORT of `lmcache server --port`)"
+                )
+            self.client = self._client("lmcache-client")
+            self.client.call(
+                "register", instance_id=SERVING_INSTANCE, num_blocks=SERVING_BLOCKS, heartbeat_s=5.0
+            )
+
+    def attached_version(self) -> str:
+        return "unknown (attached)"
+
+    def _client(self, name: str) -> DriverProcess:
+        return DriverProcess(
+            self.name,
+            self.env().python,
+            DRIVERS / "lmcache_mp_client.py",
+            self.ctx.workdir / "logs" / f"{name}.log",
+            env={
+                **LMCACHE_ENV,
+                "KVC_LMCACHE_RPC_URL": self.rpc_url,
+                "KVC_LMCACHE_HTTP_URL": self.base_url or "",
+            },
+            shm_patterns=("lmcache_kv_*",),
+        )
+
+    def stop(self) -> list[TeardownReport]:
+        reports = []
+        for driver in (self.client, self.churner):
+            if driver is not None:
+                reports.append(driver.close())
+        self.client = self.churner = None
+        if self.server is not None:
+            reports.append(self.server.stop())
+            self.server = None
+        self.config = None
+        return reports
+
+    def close(self) -> None:
+        super().close()
+        if self.inproc is not None:
+            self.inproc.close()
+            self.inproc = None
+
+    def running(self) -> bool:
+        return self.server is not None and self.server.process.alive()
+
+    # ---- requests -----------------------------------------------------------------------
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        """What a serving engine with LMCache does per request: look up and retrieve the cached
+        prefix (bytes checked), compute the rest, store the prompt's full chunks."""
+        assert self.client is not None
+        got = self.client.call("retrieve", instance_id=SERVING_INSTANCE, token_ids=tokens)
+        stored = self.client.call("store", instance_id=SERVING_INSTANCE, token_ids=tokens)
+        if not stored.get("ok", False):
+            raise EngineError(self.name, f"store of {len(tokens)} tokens failed: {stored}", self.log_tail())
+        intact = got.get("bytes_match") is not False
+        return ServedPrompt(len(tokens), int(got.get("hit_tokens") or 0), [int(intact)])
+
+    def queried_tokens(self, prompt_tokens: int) -> int:
+        # lookup_requested_tokens counts whole chunks only (a shorter tail is never looked up)
+        return prompt_tokens // self.block_size() * self.block_size()
+
+    def reset_prefix_cache(self) -> None:
+        self.post_json("/cache/clear", {"tier": "l1", "force": True})
+
+    def metrics(self) -> MetricSnapshot:
+        return self.scrape("/metrics")
+
+    def engine_pids(self) -> list[int]:
+        return self.server.pids() if self.server else []
+
+    def kv_pool_bytes(self) -> int:
+        return int(L1_GB * 2**30)
+
+    def l1_capacity_bytes(self) -> int:
+        return int(L1_GB * 2**30)
+
+    def cache_capacity_tokens(self) -> int:
+        return self.kv_pool_bytes() // self.model.kv_bytes_per_token()
+
+    # ---- persistence ---------------------------------------------------------------------
+    def persisted_entries(self) -> list[Path]:
+        return sorted(p for p in self.l2_dir().rglob("*") if p.is_file())
+
+    def flush_persistent(self, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            snap = self.metrics()
+            if self.metric("l2_store_submitted", snap) <= self.metric("l2_store_completed", snap):
+                return
+            time.sleep(0.1)
+
+    # ---- instance churn -------------------------------------------------------------------
+    def churn_cycles(self, path: str, requested: int) -> int:
+        return min(requested, 2) if path == "reaper" else requested  # ~37 s per reap
+
+    def churn_warmup_path(self, path: str) -> str:
+        return "unregister" if path == "reaper" else path
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        self.churn_path = path
+        instance_id = self._next_instance_id()
+        if path == "destroy":
+            return self._inproc_cycle(index, tokens)
+        if path == "close":
+            return self._close_cycle(instance_id, tokens)
+        client = self._client(f"lmcache-churn-{path}") if path == "reaper" else self._churn_client()
+        client.call("register", instance_id=instance_id, num_blocks=CHURN_BLOCKS, heartbeat_s=2.0)
+        client.call("store", instance_id=instance_id, token_ids=tokens)
+        client.call("retrieve", instance_id=instance_id, token_ids=tokens)
+        if path == "unregister":
+            return client.call("unregister", instance_id=instance_id)
+        pid = client.process.pid
+        client.process.kill_hard()  # the worker dies without unregistering
+        reaped_after = self._wait_reaped(instance_id)
+        client.close()
+        self.killed_client_files += self._unlink_client_shm(pid)
+        return {"reaped_after_s": reaped_after}
+
+    def _next_instance_id(self) -> int:
+        self.instances_made += 1
+        return 1000 + self.instances_made
+
+    def _churn_client(self) -> DriverProcess:
+        if self.churner is None or not self.churner.process.alive():
+            self.churner = self._client("lmcache-churn")
+        return self.churner
+
+    def _wait_reaped(self, instance_id: int, timeout_s: float = 3 * REAP_TIMEOUT_S) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if instance_id not in self.get_json("/status").get("registered_gpu_ids", []):
+                return time.monotonic() - t0
+            time.sleep(1.0)
+        raise EngineError(
+            self.name,
+            f"instance {instance_id} not reaped {timeout_s:.0f}s after its client died",
+            self.log_tail(),
+        )
+
+    def _unlink_client_shm(self, pid: int) -> int:
+        """A SIGKILLed client's shm segments outlive it; nobody else removes them."""
+        count = 0
+        for path in SHM_DIR.glob(f"lmcache_kv_{pid}_*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                count += 1
+        return count
+
+    def _close_cycle(self, instance_id: int, tokens: list[int]) -> dict[str, Any]:
+        client = self._churn_client()
+        client.call("register", instance_id=instance_id, num_blocks=CHURN_BLOCKS, heartbeat_s=0.0)
+        client.call("store", instance_id=instance_id, token_ids=tokens)
+        config = self.config or EngineConfig()
+        assert self.server is not None
+        report = self.server.stop()  # the server closes with the instance still registered
+        self.server = None
+        self.closed_leftovers["processes"] += len(report.leftover_processes)
+        self.closed_leftovers["shm_bytes"] += sum(report.leftover_shm.values())
+        for driver in (self.client, self.churner):  # clients of a closed server go too
+            if driver is not None:
+                self.killed_client_files += len(driver.close().leftover_shm)
+        self.client = self.churner = None
+        self.start(config)
+        return {"teardown": report.describe()}
+
+    def _inproc_cycle(self, index: int, tokens: list[int]) -> dict[str, Any]:
+        if self.inproc is None or not self.inproc.process.alive():
+            self.inproc = DriverProcess(
+                self.name,
+                self.env().python,
+                DRIVERS / "lmcache_inproc_driver.py",
+                self.ctx.workdir / "logs" / "lmcache-inproc.log",
+                env=LMCACHE_ENV,
+            )
+        engine_id = f"churn-{index}"
+        self.inproc.call(
+            "create", engine_id=engine_id, chunk_size=self.block_size(), max_local_cpu_size_gb=L1_GB
+        )
+        self.inproc.call("store", engine_id=engine_id, token_ids=tokens)
+        got = self.inproc.call("retrieve", engine_id=engine_id, token_ids=tokens)
+        if got.get("bytes_match") is False:
+            raise EngineError(self.name, f"in-process retrieve returned other bytes than stored: {got}")
+        return self.inproc.call("destroy", engine_id=engine_id)
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        if self.churn_path == "destroy":
+            sample = sample_processes(self.inproc.pids() if self.inproc else [])
+            return {"inproc_engine_rss_bytes": MemoryMeasure(sample.rss, exact=False)}
+        if self.churn_path == "close":
+            return {
+                "closed_server_leftover_processes": MemoryMeasure(
+                    self.closed_leftovers["processes"], True, "processes"
+                ),
+                "closed_server_leftover_shm_bytes": MemoryMeasure(self.closed_leftovers["shm_bytes"], True),
+            }
+        sample = sample_processes(self.engine_pids())
+        return {
+            "server_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
+            "server_rss_bytes": MemoryMeasure(sample.rss, exact=False),
+            **gpu_measures(sample),
+        }
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        client = self._churn_client()
+        instance_id = self._next_instance_id()
+        client.call("register", instance_id=instance_id, num_blocks=CHURN_BLOCKS, heartbeat_s=0.0)
+        client.call("store", instance_id=instance_id, token_ids=tokens)
+        first = client.call("unregister", instance_id=instance_id)
+        second = client.call("unregister", instance_id=instance_id)
+        return {
+            "first_released": first.get("was_registered") and not first.get("server_error"),
+            "second_refused_cleanly": second.get("server_error") is None,
+            "detail": f"second: {second.get('server_error') or 'no error'}",
+        }
+
+    # ---- logs -------------------------------------------------------------------------------
+    def log_tail(self, lines: int = 40) -> str:
+        return self.server.log_tail(lines) if self.server else ""
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = {"lmcache server": self.log_tail(80)}
+        for name, driver in (
+            ("client", self.client),
+            ("churn client", self.churner),
+            ("in-process", self.inproc),
+        ):
+            if driver is not None:
+                logs[f"lmcache {name}"] = driver.log_tail(60)
+        return logs
+
+    def cleanup_workdir(self) -> None:
+        shutil.rmtree(self.l2_dir(), ignore_errors=True)

@@ -1,0 +1,1 @@
+"""omlx adapter package: adapter.py, envs/, drivers/."""

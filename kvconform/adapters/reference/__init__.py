@@ -1,0 +1,1 @@
+"""reference adapter package: adapter.py, envs/, drivers/."""

@@ -1,0 +1,398 @@
+"""The reference engine (engines/reference): the suite's own, fault-injectable proving ground.
+
+It runs with the suite's interpreter (torch is a suite dependency), so it needs no engine
+environment: `pytest suites` works on a fresh checkout. Faults come from --fault.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import requests
+
+from kvconform.contract import (
+    AdapterContext,
+    BlockPoolStats,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+    TransferResult,
+)
+from kvconform.engines.reference import VERSION
+from kvconform.errors import EngineError
+from kvconform.kit.server import LaunchedServer
+from kvconform.memory import MemoryMeasure, gpu_measures, nvml, sample_processes
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import SHM_DIR, TeardownReport, free_port
+
+C = Capability
+# The folder holding the kvconform package: the server runs as `-m kvconform.engines...` from it.
+PACKAGE_PARENT = Path(__file__).resolve().parents[3]
+NUM_BLOCKS = 256
+OFFLOAD_CHUNKS = 64
+
+
+class ReferenceAdapter(EngineAdapter):
+    name = "reference"
+    env_spec = None
+    pytest_options = ("fault",)  # --fault, added by kvconform.adapters.reference.options
+    default_block_size = 16
+    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.RESET_PREFIX_CACHE,
+            C.BLOCK_SIZE_CONFIG,
+            C.RESTART,
+            C.PERSISTENT_PREFIX,
+            C.CORRUPT_PERSISTED,
+            C.FORCED_EVICTION,
+            C.HOST_MEMORY,
+            C.INSTANCE_CHURN,
+            C.INSTANCE_REGISTRY,
+            C.LONG_SESSION,
+            C.OFFLOAD_GAUGES,
+            C.OFFLOAD_STORE_FAILURE,
+            C.OFFLOAD_HOST_HITS,
+            C.TIERED_STORE_METRICS,
+            C.BLOCK_POOL_STATS,
+            C.KV_EVENTS,
+            C.ABORT_REQUESTS,
+            C.TRANSFER_ACCOUNTING,
+            C.PAGE_INDEX,
+            C.RELEASE_GUARD,
+            C.ROUTER_PREDICTION,
+            C.DISAGG_SERVING,
+        }
+    )
+    metric_names: ClassVar[dict[str, str]] = {
+        "prefix_queries": "kvref_prefix_queries_total",
+        "prefix_hits": "kvref_prefix_hits_total",
+        "cached_by_source_host": "kvref_prompt_tokens_cached_by_source_total{source=host}",
+        "kv_usage": "kvref_kv_usage_perc",
+        "blocks_total": "kvref_blocks_total",
+        "offload_usage": "kvref_offload_usage_perc",
+        "offload_write_usage": "kvref_offload_write_usage_perc",
+        "offload_read_usage": "kvref_offload_read_usage_perc",
+        "offload_store_bytes": "kvref_offload_store_bytes_total",
+        "offload_load_bytes": "kvref_offload_load_bytes_total",
+        "offload_stored_blocks": "kvref_offload_stored_blocks_total",
+        "offload_loaded_blocks": "kvref_offload_loaded_blocks_total",
+        "offload_failed_stores": "kvref_offload_failed_stores_total",
+        "transfer_bytes_sent": "kvref_transfer_bytes_sent_total",
+        "transfer_bytes_received": "kvref_transfer_bytes_received_total",
+        "l2_usage_bytes": "kvref_disk_usage_bytes",
+        "l2_store_submitted": "kvref_disk_store_submitted_total",
+        "l2_store_completed": "kvref_disk_store_completed_total",
+    }
+    churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
+    event_settle_s: ClassVar[float] = 0.3  # events leave the engine with each response
+    shm_prefix = "kvconform-ref-"
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.server: LaunchedServer | None = None
+        self.decode: LaunchedServer | None = None
+        self.exports: dict[str, tuple[str, int]] = {}
+        self.gpu_exports: dict[str, Any] = {}
+
+    @property
+    def faults(self) -> tuple[str, ...]:
+        return tuple(self.ctx.options.get("fault") or ())
+
+    @property
+    def version(self) -> str:
+        return VERSION + (f"+faults:{','.join(self.faults)}" if self.faults else "")
+
+    def attached_version(self) -> str:
+        return str(self.get_json("/version").get("version", "unknown"))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def disk_dir(self) -> Path:
+        return self.ctx.workdir / "disk"
+
+    def _launch(self, name: str, config: EngineConfig, events: bool) -> tuple[LaunchedServer, str]:
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "kvconform.engines.reference.server",
+            "--port",
+            str(port),
+            "--block-size",
+            str(config.block_size or self.default_block_size),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+        ]
+        if config.offload:
+            argv += ["--offload-chunks", str(OFFLOAD_CHUNKS)]
+        if config.persistent:
+            argv += ["--disk-dir", str(self.disk_dir())]
+        if events:
+            events_endpoint, replay_endpoint = self.open_event_subscriber()
+            argv += ["--events-endpoint", events_endpoint, "--replay-endpoint", replay_endpoint]
+        for fault in self.faults:
+            argv += ["--fault", fault]
+        url = f"http://127.0.0.1:{port}"
+        server = LaunchedServer(
+            self.name,
+            name,
+            argv,
+            self.ctx.workdir,
+            f"{url}/health",
+            env={"PYTHONPATH": str(PACKAGE_PARENT)},
+            timeout_s=self.ctx.start_timeout_s,
+            session=self.http,
+        )
+        return server, url
+
+    def start(self, config: EngineConfig) -> None:
+        if not config.persistent and self.disk_dir().exists():
+            shutil.rmtree(self.disk_dir())
+        self.server, self.base_url = self._launch("reference", config, events=True)
+        self.config = config
+
+    def stop(self) -> list[TeardownReport]:
+        reports = []
+        for server in (self.server, self.decode):
+            if server is not None:
+                reports.append(server.stop())
+        self.server = self.decode = None
+        self.close_event_subscriber()
+        for name, _size in list(self.exports.values()):
+            (SHM_DIR / name).unlink(missing_ok=True)
+        self.exports.clear()
+        self.config = None
+        return reports
+
+    def running(self) -> bool:
+        return self.server is not None and self.server.process.alive()
+
+    # ---- requests -----------------------------------------------------------------------
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        data = self.post_json("/v1/completions", {"prompt": tokens, "max_tokens": max_tokens})
+        usage = data["usage"]
+        return ServedPrompt(
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            data["choices"][0]["token_ids"],
+            usage.get("cached_tokens_by_source", {}),
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "/reset_prefix_cache")
+
+    def metrics(self) -> MetricSnapshot:
+        return self.scrape("/metrics")
+
+    def engine_pids(self) -> list[int]:
+        return self.server.pids() if self.server else []
+
+    def predict_cached_tokens(self, tokens: list[int]) -> int:
+        return int(self.post_json("/router/predict", {"prompt": tokens})["predicted_cached_tokens"])
+
+    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
+        predicted = int(self.post_json("/router/predict", {"prompt": tokens})["predicted_cached_tokens"])
+        return predicted, self.serve_prompt(tokens)
+
+    def kv_pool_bytes(self) -> int:
+        return NUM_BLOCKS * self.model.block_bytes(self.block_size())
+
+    def cache_capacity_tokens(self) -> int:
+        return NUM_BLOCKS * self.block_size()
+
+    def resident_blocks_reported(self) -> int | None:
+        stats = self.get_json("/stats")
+        return int(stats["cached_free"])
+
+    # ---- persistence ---------------------------------------------------------------------
+    def persisted_entries(self) -> list[Path]:
+        return sorted(self.disk_dir().glob("*.kv"))
+
+    def reset_all_tiers(self) -> None:
+        self._request("POST", "/reset_prefix_cache?lower_tiers=1")
+
+    # ---- offload -----------------------------------------------------------------------
+    def set_store_failure(self, fail: bool) -> None:
+        self.post_json("/admin/offload", {"fail_stores": fail})
+
+    # ---- instances (memory churn) --------------------------------------------------------
+    # Imported KV per churn instance; the reclaim-power benchmark shrinks it to one block.
+    INSTANCE_BYTES = int(os.environ.get("KVCONFORM_REF_INSTANCE_BYTES", 4 * 2**20))
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        instance_id = f"churn-{index}"
+        self.create_instance(instance_id, self.INSTANCE_BYTES)
+        self.post_json(f"/instances/{instance_id}/load", {"prompt": tokens})
+        return self.release_instance(instance_id, path)
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        sample = sample_processes(self.engine_pids())
+        measures = {
+            "engine_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
+            "engine_rss_bytes": MemoryMeasure(sample.rss, exact=False),
+            **gpu_measures(sample),
+        }
+        if sample.gpu is not None:
+            # CUDA-IPC memory stays in the exporter's allocation until the importer collects:
+            # on a dedicated GPU the device-wide figure is what shows it.
+            measures["gpu_device_used_bytes"] = MemoryMeasure(sample.gpu.device_used, exact=True)
+        return measures
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        instance_id = f"twice-{time.monotonic_ns()}"
+        self.create_instance(instance_id, self.INSTANCE_BYTES)
+        first = self.release_instance(instance_id, path)
+        try:
+            status: int | str = self.http.delete(
+                self.url(f"/instances/{instance_id}"), timeout=30
+            ).status_code
+        except requests.RequestException as exc:
+            status = f"no answer ({type(exc).__name__})"
+        return {
+            "first_released": first["released"],
+            "second_status": status,
+            "second_refused_cleanly": status == 404,
+        }
+
+    def create_instance(self, instance_id: str, nbytes: int) -> None:
+        """Export KV memory (the client side) and register it with the engine: a CUDA tensor
+        over CUDA IPC where the engine runs on a GPU, a POSIX shm file on hosts."""
+        if self.gpu_exports_enabled():
+            import pickle
+
+            import torch
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            tensor = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+            self.gpu_exports[instance_id] = tensor
+            handle = base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
+            self.post_json("/instances", {"instance_id": instance_id, "cuda_ipc": handle})
+            return
+        name = f"{self.shm_prefix}{os.getpid()}-{instance_id}"
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.exports[instance_id] = (name, nbytes)
+        self.post_json("/instances", {"instance_id": instance_id, "shm_name": name, "nbytes": nbytes})
+
+    def gpu_exports_enabled(self) -> bool:
+        """CUDA IPC needs a CUDA torch in this (exporting) process and a GPU for the engine."""
+        return nvml().available and _torch_cuda_available()
+
+    def release_instance(self, instance_id: str, path: str) -> dict[str, Any]:
+        if path != "unregister":
+            raise NotImplementedError(f"reference engine has no release path {path!r}")
+        resp = self.http.delete(self.url(f"/instances/{instance_id}"), timeout=30)
+        name, _size = self.exports.pop(instance_id, (None, 0))
+        if name:
+            (SHM_DIR / name).unlink(missing_ok=True)  # the exporter frees its side
+        if self.gpu_exports.pop(instance_id, None) is not None:
+            import torch
+
+            torch.cuda.empty_cache()  # freed only once the importer let go (ipc_collect)
+        if resp.status_code not in (200, 404):
+            raise EngineError(self.name, f"unregister {instance_id}: HTTP {resp.status_code}")
+        return {"released": resp.status_code == 200, "status": resp.status_code}
+
+    # ---- transfer -------------------------------------------------------------------------
+    def ensure_decode_instance(self) -> str:
+        if self.decode is None or not self.decode.process.alive():
+            self.decode, url = self._launch("reference-decode", self.config or EngineConfig(), events=False)
+            self._decode_url = url
+        return self._decode_url
+
+    transfer_layouts: ClassVar[tuple[str, ...]] = ("mha", "mla", "mla_state")
+    transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16)
+
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        receiver = self.ensure_decode_instance()
+        result = self.post_json(
+            "/transfer/send",
+            {
+                "prompt": tokens,
+                "receiver": receiver,
+                "page_size": page_size,
+                "layout": layout,
+                "destinations": destinations,
+                "abort_after_pages": abort_after_pages,
+            },
+        )
+        received = self.http.get(f"{receiver}/transfer/received/{result['transfer_id']}", timeout=10)
+        return TransferResult(
+            kv_indices=result["kv_indices"],
+            page_indices=result["page_indices"],
+            bytes_sent=result["bytes_counted"],
+            bytes_received=received.json()["bytes"] if received.status_code == 200 else 0,
+            state_indices=result["state_indices"],
+            detail={"aborted": result["aborted"]},
+        )
+
+    def block_pool_stats(self) -> list[BlockPoolStats]:
+        return [
+            BlockPoolStats(
+                max_blocks=it["maxNumBlocks"],
+                free_blocks=it["freeNumBlocks"],
+                used_blocks=it["usedNumBlocks"],
+                reused_blocks=it["reusedBlocks"],
+                missed_blocks=it["missedBlocks"],
+                hit_rate=it["cacheHitRate"],
+                tokens_per_block=it["tokensPerBlock"],
+                iteration=it["iter"],
+                cumulative=True,
+            )
+            for it in self.get_json("/kv_stats")
+        ]
+
+    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+        """Prefill here, hand the KV pages to the decode instance (the transfer path)."""
+        receiver = self.ensure_decode_instance()
+        result = self.post_json(
+            "/transfer/send",
+            {
+                "prompt": tokens,
+                "receiver": receiver,
+                "layout": "mha",
+                "page_size": self.block_size(),
+                "destinations": 1,
+            },
+        )
+        return ServedPrompt(len(tokens), int(result["cached"]), [])
+
+    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+        return self.post_json("/admin/release_twice", {"prompt": tokens})
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.server.log_tail(lines) if self.server else ""
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = {}
+        if self.server:
+            logs["reference"] = self.server.log_tail(80)
+        if self.decode:
+            logs["reference-decode"] = self.decode.log_tail(80)
+        return logs
+
+
+def _torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

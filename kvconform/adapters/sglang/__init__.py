@@ -1,0 +1,1 @@
+"""sglang adapter package: adapter.py, envs/, drivers/."""

@@ -1,0 +1,1 @@
+"""sglang-server adapter package: adapter.py, envs/."""

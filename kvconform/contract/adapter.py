@@ -1,0 +1,473 @@
+"""The abstract adapter: what a suite may ask of an engine.
+
+Suites never name an engine. They mark each check with the capabilities it needs
+(`@pytest.mark.requires(Capability.X)`); an engine lacking one is skipped with
+"engine E lacks capability X". Every method below that an engine cannot support raises
+NotImplementedError, and its capability stays out of the set (fsspec's abstract-test
+pattern): declaring a capability is a promise the method works.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC
+from pathlib import Path
+from typing import Any, ClassVar
+
+import requests
+
+from kvconform import envs
+from kvconform.contract.capabilities import Capability
+from kvconform.contract.types import (
+    AdapterContext,
+    BlockPoolStats,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+    TransferResult,
+)
+from kvconform.envs import BuiltEnv
+from kvconform.errors import EngineError, UsageError
+from kvconform.events import EventLedger
+from kvconform.kit.server import wait_http_ok
+from kvconform.kit.zmq_events import ZmqEventSubscriber
+from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
+from kvconform.metrics import MetricSnapshot, parse_prometheus
+from kvconform.processes import TeardownReport, free_port
+
+
+class EngineAdapter(ABC):
+    name: ClassVar[str]
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    attach_capabilities_removed: ClassVar[frozenset[Capability]] = frozenset(
+        {
+            Capability.RESTART,
+            Capability.BLOCK_SIZE_CONFIG,
+            Capability.PERSISTENT_PREFIX,
+            Capability.CORRUPT_PERSISTED,
+            Capability.INSTANCE_CHURN,
+            Capability.HOST_MEMORY,
+            Capability.OFFLOAD_STORE_FAILURE,
+            Capability.LONG_SESSION,
+        }
+    )
+    default_block_size: ClassVar[int] = 16
+    # Serving engines compute at least the last prompt token, so a fully cached prompt hits
+    # one block less; pure cache stores return every stored block.
+    recomputes_last_token: ClassVar[bool] = True
+    # Logical metric -> this engine's metric name (Prometheus sample name).
+    metric_names: ClassVar[dict[str, str]] = {}
+    # Logical counters the engine exports only after their first event (absent reads 0).
+    lazy_counters: ClassVar[frozenset[str]] = frozenset()
+    model: ClassVar[ModelShape] = ModelShape()
+    workers: ClassVar[int] = 1  # serving workers behind the endpoint (a router spreads requests)
+    # Environment spec, in the adapter package's envs/ (None: runs in the suite's own environment).
+    env_spec: ClassVar[str | None] = None
+    # pytest option dests this adapter reads (added by its own pytest plugin), in ctx.options.
+    pytest_options: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        self.ctx = ctx
+        self.config: EngineConfig | None = None
+        self.base_url: str | None = ctx.url
+        self._sessions = threading.local()
+        self.ledger = EventLedger()
+        self.subscriber: ZmqEventSubscriber | None = None
+        self._env: BuiltEnv | None = None
+
+    @property
+    def http(self) -> requests.Session:
+        """An HTTP session per thread: samplers scrape while checks send requests."""
+        session = getattr(self._sessions, "session", None)
+        if session is None:
+            session = self._sessions.session = requests.Session()
+        return session
+
+    # ---- identity -----------------------------------------------------------------------
+    @property
+    def version(self) -> str:
+        if self.attached:
+            return self.attached_version()
+        if self.env_spec is None:
+            return "unknown"
+        try:
+            return self.env().version
+        except UsageError:
+            return "not built"
+
+    def attached_version(self) -> str:
+        return "unknown (attached)"
+
+    def env(self) -> BuiltEnv:
+        if self._env is None:
+            self._env = envs.find(self.ctx.env_name or self.env_spec or self.name)
+        return self._env
+
+    def preflight(self) -> None:
+        """Fail fast, with one line, on what would make every check of this engine fail."""
+        if self.attached:
+            self.check_reachable()
+        elif self.env_spec is not None:
+            self.env()
+
+    @property
+    def attached(self) -> bool:
+        return self.ctx.url is not None
+
+    def effective_capabilities(self) -> frozenset[Capability]:
+        if self.attached:
+            return self.capabilities - self.attach_capabilities_removed
+        return self.capabilities
+
+    def block_size(self) -> int:
+        if self.attached:
+            return self.attached_block_size()
+        if self.config is not None and self.config.block_size is not None:
+            return self.config.block_size
+        return self.default_block_size
+
+    def attached_block_size(self) -> int:
+        """Attach mode: the block size the running server reports (default: the adapter's)."""
+        return self.default_block_size
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        """Have the engine running in `config` (default config if None); restart if needed."""
+        config = config or EngineConfig()
+        if self.attached:
+            if self.config is None:
+                self.check_reachable()
+                self.config = config
+            return
+        if self.config == config and self.running():
+            return
+        if self.config is not None:
+            self.stop()
+        self.start(config)
+        self.config = config
+
+    def start(self, config: EngineConfig) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> list[TeardownReport]:
+        """Stop every process this adapter started; reports say what teardown found."""
+        self.config = None
+        return []
+
+    def restart(self) -> list[TeardownReport]:
+        config = self.config or EngineConfig()
+        reports = self.stop()
+        self.start(config)
+        self.config = config
+        return reports
+
+    def running(self) -> bool:
+        return self.config is not None
+
+    health_path: ClassVar[str] = "/health"
+
+    def check_reachable(self) -> None:
+        """Attach mode: one quick request; a UsageError names the engine and the URL."""
+        url = self.url(self.health_path)
+        try:
+            resp = self.http.get(url, timeout=5)
+        except requests.RequestException as exc:
+            reason = type(exc).__name__
+            if isinstance(exc, requests.ConnectionError):
+                reason = "connection refused or host unreachable"
+            raise UsageError(f"engine {self.name} at {self.ctx.url} is unreachable ({reason})") from None
+        if resp.status_code != 200:
+            raise UsageError(
+                f"engine {self.name} at {self.ctx.url}: {self.health_path} answered HTTP {resp.status_code}"
+            )
+
+    def close(self) -> None:
+        if not self.attached:
+            self.stop()
+
+    # ---- requests -----------------------------------------------------------------------
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        """Serve one prompt as a serving engine would: look up its prefix, compute the rest,
+        keep the result cached. Reports the cached tokens the engine itself claims."""
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
+    def queried_tokens(self, prompt_tokens: int) -> int:
+        """Tokens the engine's query counter should move by for one prompt."""
+        return prompt_tokens
+
+    def metrics(self) -> MetricSnapshot:
+        raise NotImplementedError
+
+    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        """A logical metric, through this engine's name for it ('name{label=value,...}')."""
+        spec = self.metric_names.get(logical)
+        if spec is None:
+            raise NotImplementedError(f"engine {self.name} maps no metric for {logical!r}")
+        name, _, label_text = spec.partition("{")
+        for pair in filter(None, label_text.rstrip("}").split(",")):
+            key, _, value = pair.partition("=")
+            labels.setdefault(key.strip(), value.strip().strip('"'))
+        if logical in self.lazy_counters and not snapshot.has(name):
+            return 0.0  # a counter the engine creates on first use: absent means 0
+        return snapshot.value(name, **labels)
+
+    def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        return self.metric(logical, after) - self.metric(logical, before)
+
+    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
+        """(tokens the router predicted cached, what the worker then reported)."""
+        raise NotImplementedError
+
+    def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
+        """KV events the router failed to apply, by status (None: the engine does not say)."""
+        return None
+
+    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+        """Serve a prompt through the prefill -> decode deployment (EngineConfig(disaggregated))."""
+        raise NotImplementedError
+
+    def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+        return {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+
+    def openai_completion(self, tokens: list[int], max_tokens: int, **extra: Any) -> ServedPrompt:
+        """POST /v1/completions (OpenAI-compatible) and read the cached tokens it reports."""
+        data = self.post_json("/v1/completions", {**self.completion_body(tokens, max_tokens), **extra})
+        return self.served_from_openai(data, tokens)
+
+    def served_from_openai(self, data: Any, tokens: list[int]) -> ServedPrompt:
+        if not isinstance(data, dict):
+            raise EngineError(self.name, f"/v1/completions returned {type(data).__name__}, not an object")
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        if "cached_tokens" not in details:
+            raise EngineError(self.name, f"response lacks usage.prompt_tokens_details.cached_tokens: {usage}")
+        choice = (data.get("choices") or [{}])[0]
+        return ServedPrompt(
+            int(usage.get("prompt_tokens", len(tokens))),
+            int(details["cached_tokens"] or 0),
+            list(choice.get("token_ids") or []),
+        )
+
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
+        """Start a streaming completion and drop the connection after a few chunks."""
+        resp = self.http.post(
+            self.url("/v1/completions"),
+            json=self.completion_body(tokens, 256, stream=True),
+            stream=True,
+            timeout=self.ctx.request_timeout_s,
+        )
+        if resp.status_code != 200:
+            raise EngineError(
+                self.name, f"streaming completion -> HTTP {resp.status_code}: {resp.text[:200]}"
+            )
+        received = 0
+        for line in resp.iter_lines():
+            if line.startswith(b"data:"):
+                received += 1
+                if received >= after_chunks:
+                    break
+        resp.close()
+        return received
+
+    def healthy(self) -> bool:
+        return wait_http_ok(self.http, self.url(self.health_path), timeout=5.0)
+
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the device KV pool the suite configured."""
+        raise NotImplementedError
+
+    def cache_capacity_tokens(self) -> int:
+        """Device prefix-cache capacity, from the configuration the suite gave the engine."""
+        raise NotImplementedError
+
+    def resident_blocks_reported(self) -> int | None:
+        """Cached blocks the engine says it holds (None: it does not say)."""
+        return None
+
+    def block_pool_stats(self) -> list[BlockPoolStats]:
+        """Every iteration's block-pool stats reported by this engine instance, oldest first."""
+        raise NotImplementedError
+
+    # Seconds an engine's publisher may take to send what a finished request emitted.
+    event_settle_s: ClassVar[float] = 1.0
+
+    def open_event_subscriber(self) -> tuple[str, str]:
+        """A fresh ledger (sequence numbers restart with each engine instance) and a SUB socket
+        bound before the engine starts, for publishers in vLLM's ZMQ wire format.
+        Returns (events endpoint, replay endpoint) for the engine's command line."""
+        self.close_event_subscriber()
+        events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        self.ledger = EventLedger()
+        self.subscriber = ZmqEventSubscriber(self.ledger, events, topic="kv", replay_endpoint=replay)
+        return events, replay
+
+    def close_event_subscriber(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
+
+    def drain_events(self) -> int:
+        """Make sure every event emitted so far is in the ledger; fill transport gaps from the
+        engine's replay socket. Returns how many batches replay filled."""
+        if self.subscriber is None:
+            return 0
+        time.sleep(self.event_settle_s)
+        return self.subscriber.fill_gaps()
+
+    # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED) ------------------------------
+    def persisted_entries(self) -> list[Path]:
+        """Files of the persistent tier, for the suite to damage."""
+        raise NotImplementedError
+
+    def persisted_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.persisted_entries())
+
+    def flush_persistent(self) -> None:
+        """Wait until what was stored has reached the persistent tier."""
+        return None
+
+    # ---- offload (OFFLOAD_*) -----------------------------------------------------------
+    def set_store_failure(self, fail: bool) -> None:
+        raise NotImplementedError
+
+    def wait_offload_idle(self, timeout_s: float = 15.0, quiet_s: float = 1.0) -> None:
+        """Wait until offload stores stop moving (the store byte counter is still for
+        `quiet_s`); never waits on the gauges themselves, which are under test."""
+        deadline = time.monotonic() + timeout_s
+        last, still_since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            value = self.metric("offload_store_bytes", self.metrics())
+            if value != last:
+                last, still_since = value, time.monotonic()
+            elif time.monotonic() - still_since >= quiet_s:
+                return
+            time.sleep(0.1)
+
+    def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        return self.metric_delta("offload_failed_stores", before, after)
+
+    def offload_block_bytes(self) -> int:
+        return self.model.block_bytes(self.block_size())
+
+    # ---- transfer (TRANSFER_ACCOUNTING, PAGE_INDEX, RELEASE_GUARD) ---------------------
+    transfer_layouts: ClassVar[tuple[str, ...]] = ()
+    transfer_page_sizes: ClassVar[tuple[int, ...]] = ()
+
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        """Prefill `tokens` and transfer their KV to `destinations` decode ranks."""
+        raise NotImplementedError
+
+    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+        """Release one request's KV twice through the engine's own release path. Returns
+        {"second_refused": bool, "free_delta_on_second": int, "detail": str}."""
+        raise NotImplementedError
+
+    # ---- engine-internal structures (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER)
+    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
+        """A fresh engine radix cache, driven step by step with radix()."""
+        raise NotImplementedError
+
+    def radix(self, op: str, **args: Any) -> Any:
+        """insert / match / lock / unlock / evict / stats / take_events on that radix cache."""
+        raise NotImplementedError
+
+    def radix_index(self, op: str, **args: Any) -> Any:
+        """A router-side prefix index fed by KV events: tree_new / tree_apply / tree_match /
+        tree_dump / block_hashes (events in kvconform's plain form, see the Dynamo driver)."""
+        raise NotImplementedError
+
+    def replay(
+        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
+    ) -> dict[str, Any]:
+        """Offline replay of a trace of requests (hash_ids per block) in simulated time."""
+        raise NotImplementedError
+
+    def block_tracker(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One call to the router's active-block tracker service: (HTTP status, JSON)."""
+        raise NotImplementedError
+
+    # ---- memory churn (INSTANCE_CHURN) -------------------------------------------------
+    churn_paths: ClassVar[tuple[str, ...]] = ()
+
+    def churn_cycles(self, path: str, requested: int) -> int:
+        """Cycles to run for a release path (slow paths, e.g. a 30 s reaper, may run fewer)."""
+        return requested
+
+    def churn_warmup_path(self, path: str) -> str:
+        """Release path of the warm-up cycles (a cheaper one where the path is slow)."""
+        return path
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        """One instance lifecycle: create, load with `tokens`, release through `path`."""
+        raise NotImplementedError
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """Memory that must come back after a release, by measure."""
+        raise NotImplementedError
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        """Release one instance, then release it again; report both answers."""
+        raise NotImplementedError
+
+    # ---- memory -------------------------------------------------------------------------
+    def engine_pids(self) -> list[int]:
+        """Every live process of the engine (its whole tree)."""
+        raise NotImplementedError
+
+    def memory_sample(self) -> MemorySample:
+        return sample_processes(self.engine_pids())
+
+    # ---- helpers for HTTP engines ---------------------------------------------------------
+    def url(self, path: str) -> str:
+        if self.base_url is None:
+            raise EngineError(self.name, "not started")
+        return self.base_url.rstrip("/") + path
+
+    def get_json(self, path: str, timeout: float | None = None) -> Any:
+        resp = self._request("GET", path, timeout=timeout)
+        return self._json(resp, path)
+
+    def post_json(self, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        resp = self._request("POST", path, json=body, timeout=timeout)
+        return self._json(resp, path)
+
+    def scrape(self, path: str = "/metrics") -> MetricSnapshot:
+        resp = self._request("GET", path)
+        return parse_prometheus(resp.text, self.name, path)
+
+    def _request(self, method: str, path: str, timeout: float | None = None, **kw: Any) -> requests.Response:
+        try:
+            resp = self.http.request(
+                method, self.url(path), timeout=timeout or self.ctx.request_timeout_s, **kw
+            )
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"{method} {path} failed: {exc}", self.log_tail()) from None
+        if resp.status_code >= 400:
+            raise EngineError(
+                self.name, f"{method} {path} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
+            )
+        return resp
+
+    def _json(self, resp: requests.Response, path: str) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            raise EngineError(self.name, f"{path} returned non-JSON: {resp.text[:200]!r}") from None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return ""
+
+    def describe_logs(self) -> dict[str, str]:
+        """Log tails by process name, attached to the report on failure."""
+        return {}

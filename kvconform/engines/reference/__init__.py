@@ -1,0 +1,3 @@
+"""The fault-injectable reference engine (the suite's proving ground)."""
+
+VERSION = "kvref-1.0"

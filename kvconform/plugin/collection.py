@@ -1,0 +1,74 @@
+"""Collection: engine parametrization, --check selection, capability skips, known findings."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform import checkids, findings
+from kvconform.contract import Capability
+from kvconform.plugin.session import kv_session, selected_engines
+
+
+def engine_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    return callspec.params.get("engine_name")
+
+
+def check_id(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("check")
+    if marker:
+        return str(marker.args[0])
+    obj = getattr(item, "obj", None)
+    module = getattr(obj, "__module__", None) or getattr(getattr(item, "module", None), "__name__", "")
+    name = getattr(item, "originalname", item.name)
+    callspec = getattr(item, "callspec", None)
+    params = []
+    if callspec is not None:
+        params = [str(value) for key, value in callspec.params.items() if key != "engine_name"]
+    return checkids.check_id(module or item.path.stem, name, params)
+
+
+def manifest(config: pytest.Config) -> findings.Manifest:
+    paths = config.getoption("--known-failures") or config.getini("kvconform_known_failures")
+    return findings.load(list(paths), engines=selected_engines(config))
+
+
+class Collection:
+    @staticmethod
+    def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+        if "engine_name" in metafunc.fixturenames:
+            metafunc.parametrize("engine_name", selected_engines(metafunc.config), scope="session")
+
+    @staticmethod
+    def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+        wanted = config.getoption("--check")
+        if wanted:
+            keep = [i for i in items if checkids.matches_any(check_id(i), wanted)]
+            dropped = [i for i in items if i not in keep]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+                items[:] = keep
+        known = manifest(config)
+        url = config.getoption("--engine-url")
+        session = kv_session(config)
+        for item in items:
+            name = engine_of(item)
+            if name is None:
+                continue
+            adapter = session.adapter(name)
+            caps = adapter.effective_capabilities()
+            for marker in item.iter_markers("requires"):
+                missing = [Capability(c) for c in marker.args if Capability(c) not in caps]
+                if missing:
+                    named = ", ".join(
+                        f"{c} (in attach mode)" if url and c in adapter.capabilities else str(c)
+                        for c in missing
+                    )
+                    item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))
+                    break
+            entry = known.match(name, adapter.version, check_id(item))
+            if entry is not None:
+                item.add_marker(pytest.mark.xfail(strict=True, reason=entry.reason()))
+                item.stash[findings.ENTRY_KEY] = entry

@@ -1,0 +1,85 @@
+"""Per-process state of a kvconform run: the selected engines, their adapters (one live engine
+per name), the results directory (resolved once)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvconform import registry
+from kvconform.contract import AdapterContext, EngineAdapter
+from kvconform.memory import nvml
+
+DEFAULT_ENGINE = "reference"
+_session_key = pytest.StashKey["KvSession"]()
+_engines_key = pytest.StashKey[list[str]]()
+
+
+def selected_engines(config: pytest.Config) -> list[str]:
+    return config.stash.get(_engines_key, None) or config.getoption("--engine") or [DEFAULT_ENGINE]
+
+
+def set_selected_engines(config: pytest.Config, names: list[str]) -> None:
+    config.stash[_engines_key] = list(dict.fromkeys(names))
+
+
+def results_dir(config: pytest.Config) -> Path:
+    raw = config.getoption("--results-dir") or config.getini("kvconform_results_dir") or "results"
+    path = Path(raw)
+    if not path.is_absolute():
+        path = Path(config.invocation_params.dir) / path
+    return path.resolve()
+
+
+class KvSession:
+    """Adapters by engine name, created on first use and kept for the session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results_dir = results_dir(config)
+        self.workdir = self.results_dir / "work" / os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.adapters: dict[str, EngineAdapter] = {}
+        self.started = time.time()
+        self.env_overrides = dict(
+            item.split("=", 1) for item in config.getoption("--engine-env") if "=" in item
+        )
+
+    def context(self, name: str, cls: type) -> AdapterContext:
+        options: dict[str, Any] = {}
+        for dest in getattr(cls, "pytest_options", ()):
+            options[dest] = self.config.getoption(dest)
+        return AdapterContext(
+            workdir=self.workdir / name,
+            url=self.config.getoption("--engine-url"),
+            start_timeout_s=self.config.getoption("--engine-start-timeout"),
+            env_name=self.env_overrides.get(name),
+            options=options,
+        )
+
+    def new_adapter(self, name: str) -> EngineAdapter:
+        cls = registry.adapter_class(name)
+        return cls(self.context(name, cls))
+
+    def preflight(self, name: str) -> None:
+        self.new_adapter(name).preflight()
+
+    def adapter(self, name: str) -> EngineAdapter:
+        if name not in self.adapters:
+            self.adapters[name] = self.new_adapter(name)
+        return self.adapters[name]
+
+    def platform(self) -> str:
+        return nvml().describe()
+
+
+def kv_session(config: pytest.Config) -> KvSession:
+    return config.stash[_session_key]
+
+
+def start_session(config: pytest.Config) -> KvSession:
+    config.stash[_session_key] = KvSession(config)
+    return config.stash[_session_key]

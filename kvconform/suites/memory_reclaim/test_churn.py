@@ -1,0 +1,128 @@
+"""Memory returns to baseline after instance churn, through every release path.
+
+One create -> delete cycle proves little (vLLM's own test does one); a leak shows as a slope
+over many. Each cycle creates an instance, loads it with prefix-sharing requests and releases
+it; memory of the engine's own processes is sampled continuously, the baseline is taken
+after a warm-up cycle, and each cycle's post-release minimum is kept. Verdict per measure:
+final delta vs baseline within a tolerance, and a Theil-Sen leak slope below a bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.memory import MemoryMeasure
+from kvconform.oracles import theil_sen
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+from kvconform.sampling import PeriodicSampler
+from kvconform.suites.memory_reclaim.bounds import bounds_for
+
+pytestmark = pytest.mark.requires(C.INSTANCE_CHURN)
+
+WARMUP_CYCLES = 2
+RELEASE_PATHS = ("unregister", "reaper", "close", "restart", "destroy")
+Probe = Callable[[], dict[str, MemoryMeasure]]
+
+
+def settled(
+    probe: Probe, baseline: dict[str, MemoryMeasure] | None, window_s: float = 2.0
+) -> dict[str, float]:
+    """Per-measure minimum over a short window (early exit once back at baseline)."""
+    best: dict[str, float] = {}
+    deadline = time.monotonic() + window_s
+    while True:
+        for name, measure in probe().items():
+            best[name] = min(best.get(name, measure.value), measure.value)
+        back = baseline is not None and all(best[n] <= baseline[n].value for n in baseline if n in best)
+        if back or time.monotonic() > deadline:
+            return best
+        time.sleep(0.1)
+
+
+class ContinuousSampler(PeriodicSampler):
+    """Every measure of the engine's reclaim probe, over time."""
+
+    def __init__(self, probe: Probe, interval_s: float = 0.25) -> None:
+        super().__init__(interval_s)
+        self.probe = probe
+        self.points: dict[str, list[tuple[float, float]]] = {}
+
+    def sample(self) -> None:
+        t = self.now()
+        for name, measure in self.probe().items():  # raises between instances: recorded, skipped
+            self.points.setdefault(name, []).append((t, measure.value))
+
+
+@pytest.mark.parametrize("path", RELEASE_PATHS)
+def test_churn_returns_to_baseline(
+    engine: EngineAdapter, path: str, prompts: PromptFactory, verdict: Verdict, request: pytest.FixtureRequest
+) -> None:
+    if path not in engine.churn_paths:
+        pytest.skip(
+            f"engine {engine.name} has no release path {path!r} (has {', '.join(engine.churn_paths)})"
+        )
+    engine.ensure(EngineConfig())
+    cycles = engine.churn_cycles(path, request.config.getoption("--churn-cycles"))
+    bounds = bounds_for(request.config, engine)
+    block = engine.block_size()
+    system = prompts.fresh(4 * block)
+    for warmup in range(WARMUP_CYCLES):  # allocator pools and caches settle first
+        engine.churn_cycle(engine.churn_warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
+    baseline_measures = engine.reclaim_probe()
+    baseline = settled(engine.reclaim_probe, None, window_s=1.0)
+    values: dict[str, list[float]] = {name: [] for name in baseline}
+    with ContinuousSampler(engine.reclaim_probe) as sampler:
+        for cycle in range(1, cycles + 1):
+            engine.churn_cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
+            post = settled(engine.reclaim_probe, baseline_measures)
+            for name in values:
+                values[name].append(post.get(name, float("nan")))
+    verdict.record("release_path", path)
+    verdict.record("cycles", cycles)
+    for name, series in values.items():
+        kind = baseline_measures[name]
+        unit = kind.unit
+        trend = theil_sen([baseline[name], *series])
+        verdict.record(f"{name}.baseline", baseline[name], unit)
+        verdict.record(f"{name}.per_cycle", ", ".join(f"{v:.0f}" for v in series), unit)
+        verdict.expect(
+            f"{name}.final_delta",
+            series[-1] - baseline[name],
+            "<=",
+            bounds.tolerance(kind),
+            unit,
+            better="lower",
+            tolerance=bounds.gate_tolerance(kind),
+            note="post-release minimum of the last cycle vs baseline",
+        )
+        verdict.expect(
+            f"{name}.leak_slope",
+            trend.slope,
+            "<=",
+            bounds.slope(kind),
+            f"{unit}/cycle",
+            better="lower",
+            tolerance=bounds.gate_tolerance(kind, slope=True),
+            note=f"Theil-Sen, band [{trend.low:.0f}, {trend.high:.0f}]",
+        )
+        verdict.add_series(f"{name} over time", sampler.points.get(name, []))
+    verdict.conclude()
+
+
+@pytest.mark.requires(C.INSTANCE_REGISTRY)
+def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+    """Releasing an instance twice must be refused cleanly, and the engine stay healthy."""
+    engine.ensure(EngineConfig())
+    path = engine.churn_paths[0]
+    result = engine.second_release(path, prompts.fresh(4 * engine.block_size()))
+    verdict.record("answers", str(result))
+    verdict.equal("first_release_done", int(bool(result["first_released"])), 1)
+    verdict.equal("second_release_refused_cleanly", int(bool(result["second_refused_cleanly"])), 1)
+    verdict.equal("engine_healthy_after", int(engine.healthy()), 1)
+    verdict.conclude()

@@ -1,0 +1,73 @@
+"""One offload scenario per engine, judged by several checks.
+
+The scenario: serve fresh prompts (their full blocks are stored to the host tier), reset the
+device prefix cache, serve them again (their blocks come back from the host tier), then
+stay idle while the gauges drain — sampled at 20 Hz throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt
+from kvconform.metrics import MetricSnapshot
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.suites.offload_metrics.gauges import GaugeSampler
+
+PROMPTS = 6
+IDLE_WATCH_S = 6.0
+
+
+@dataclass
+class OffloadRun:
+    sampler: GaugeSampler
+    before: MetricSnapshot
+    after: MetricSnapshot
+    prompts: list[list[int]]
+    reserved: list[ServedPrompt]
+    load_ended_at: float
+    expected_stored_blocks: int
+    expected_host_hit_tokens: int
+    block_size: int
+
+
+def drive(
+    engine: EngineAdapter, prompts: PromptFactory, sampler: GaugeSampler
+) -> tuple[list[list[int]], list[ServedPrompt]]:
+    block = engine.block_size()
+    batch = [prompts.fresh(8 * block + 5) for _ in range(PROMPTS)]
+    for tokens in batch:
+        engine.serve_prompt(tokens)
+    engine.wait_offload_idle()
+    engine.reset_prefix_cache()
+    return batch, [engine.serve_prompt(tokens) for tokens in batch]
+
+
+@pytest.fixture(scope="module")
+def offload_run(engine: EngineAdapter) -> Iterator[OffloadRun]:
+    engine.ensure(EngineConfig(offload=True))
+    prompts = PromptFactory(f"offload-{engine.name}-{time.time_ns()}")
+    before = engine.metrics()
+    with GaugeSampler(engine) as sampler:
+        batch, reserved = drive(engine, prompts, sampler)
+        ended = sampler.now()
+        time.sleep(IDLE_WATCH_S)
+    block = engine.block_size()
+    yield OffloadRun(
+        sampler=sampler,
+        before=before,
+        after=engine.metrics(),
+        prompts=batch,
+        reserved=reserved,
+        load_ended_at=ended,
+        expected_stored_blocks=sum(len(t) // block for t in batch),
+        expected_host_hit_tokens=sum(
+            prefix_hit_tokens(len(t), len(t), block, engine.recomputes_last_token) for t in batch
+        ),
+        block_size=block,
+    )

@@ -1,0 +1,86 @@
+"""Tiered-store metrics agree with what the tiers really hold.
+
+L2 (persistent) stores: submitted >= completed at every scrape, equal once idle; the L2
+usage gauge moves by exactly the bytes that appeared on disk; lookup hits never exceed the
+tokens looked up; the L1 usage ratio equals L1 bytes over the L1 capacity the suite set.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.TIERED_STORE_METRICS)
+
+
+def test_tiered_store_metrics_consistent(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    engine.ensure(EngineConfig(persistent=True))
+    names = engine.metric_names
+    disk_before = engine.persisted_bytes()
+    before = engine.metrics()
+    block = engine.block_size()
+    batch = [prompts.fresh(4 * block + 7) for _ in range(4)]
+    during = []
+    for tokens in batch:
+        engine.serve_prompt(tokens)
+        during.append(engine.metrics())
+    engine.flush_persistent()
+    for tokens in batch:
+        engine.serve_prompt(tokens)
+    after = engine.metrics()
+    disk_delta = engine.persisted_bytes() - disk_before
+
+    lagging = [
+        (engine.metric("l2_store_submitted", s), engine.metric("l2_store_completed", s))
+        for s in during
+        if engine.metric("l2_store_completed", s) > engine.metric("l2_store_submitted", s)
+    ]
+    verdict.equal("scrapes_with_completed_above_submitted", len(lagging), 0, note=str(lagging[:3]))
+    verdict.equal(
+        "l2_submitted_minus_completed_at_idle",
+        engine.metric("l2_store_submitted", after) - engine.metric("l2_store_completed", after),
+        0,
+    )
+    verdict.expect(
+        "l2_stores_completed",
+        engine.metric_delta("l2_store_completed", before, after),
+        ">=",
+        1,
+        note="the workload must reach the persistent tier",
+    )
+    usage_delta = engine.metric_delta("l2_usage_bytes", before, after)
+    verdict.record("disk_bytes_delta", disk_delta, "bytes")
+    verdict.equal(
+        "l2_usage_bytes_delta",
+        usage_delta,
+        disk_delta,
+        "bytes",
+        note="gauge movement vs bytes that appeared in the tier's directory",
+    )
+    verdict.record(
+        "l2_usage_minus_disk_bytes",
+        engine.metric("l2_usage_bytes", after) - engine.persisted_bytes(),
+        "bytes",
+        note="absolute difference (an engine may count only what this process wrote)",
+    )
+    if "lookup_requested_tokens" in names:
+        requested = engine.metric_delta("lookup_requested_tokens", before, after)
+        hits = engine.metric_delta("lookup_hit_tokens", before, after)
+        verdict.expect("lookup_hit_tokens_delta", hits, "<=", requested, "tokens")
+    if "l1_usage_ratio" in names:
+        ratio = engine.metric("l1_usage_ratio", after)
+        expected = engine.metric("l1_usage_bytes", after) / engine.l1_capacity_bytes()
+        verdict.equal(
+            "l1_usage_ratio",
+            ratio,
+            expected,
+            abs_tol=1e-6,
+            note="L1 bytes / the L1 capacity the suite configured",
+        )
+    verdict.conclude()

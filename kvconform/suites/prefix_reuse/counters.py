@@ -1,0 +1,26 @@
+"""Reading an engine's prefix counters for exactly one request."""
+
+from __future__ import annotations
+
+import time
+
+from kvconform.contract import EngineAdapter
+from kvconform.metrics import MetricSnapshot
+
+
+def wait_counted(
+    engine: EngineAdapter, before: MetricSnapshot, queried_tokens: int, timeout_s: float = 5.0
+) -> tuple[float, float]:
+    """(queried, hit) token deltas since `before`, once the request's queries are counted.
+
+    Engines publish request stats asynchronously; we wait for the *queries* counter to cover
+    the request (a fact independent of hits), then read hits — never waiting for hits to
+    reach a value, which would hide the failure being checked.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = engine.metrics()
+        queried = engine.metric_delta("prefix_queries", before, after)
+        if queried >= queried_tokens or time.monotonic() > deadline:
+            return queried, engine.metric_delta("prefix_hits", before, after)
+        time.sleep(0.1)

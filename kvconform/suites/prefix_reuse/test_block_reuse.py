@@ -1,0 +1,117 @@
+"""Prefix hits are served, counted, and not lost to block granularity.
+
+The oracle: a prefix cache serves whole blocks of the shared prefix, floor(shared/block)·block
+tokens (one token fewer where the engine must compute the prompt's last token). vllm-ascend
+#12589 and oMLX #3443 are the 0 % cases: hits that silently vanish when the shared prefix is
+not a multiple of the block.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.counters import wait_counted
+
+pytestmark = pytest.mark.requires(C.PREFIX_CACHE)
+
+
+@pytest.fixture
+def cache(engine: EngineAdapter, has) -> EngineAdapter:
+    """The engine at its default block size, prefix cache emptied when it can be."""
+    engine.ensure(EngineConfig())
+    if has(C.RESET_PREFIX_CACHE):
+        engine.reset_prefix_cache()
+    return engine
+
+
+def oracle(engine: EngineAdapter, shared: int, prompt_len: int) -> int:
+    return prefix_hit_tokens(shared, prompt_len, engine.block_size(), engine.recomputes_last_token)
+
+
+def test_repeated_prompt_served_from_cache(
+    cache: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
+) -> None:
+    block = cache.block_size()
+    prompt = prompts.fresh(10 * block)  # block-aligned: the last-token rule decides the last block
+    first = cache.serve_prompt(prompt)
+    verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")
+    before = cache.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
+    second = cache.serve_prompt(prompt)
+    expected = oracle(cache, len(prompt), len(prompt))
+    verdict.record("block_size", block, "tokens")
+    verdict.record("prompt_tokens", len(prompt), "tokens")
+    verdict.equal("cached_tokens_in_response", second.cached_tokens, expected, "tokens")
+    if before is not None:
+        queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
+        verdict.equal("prefix_queries_counter_delta", queried, cache.queried_tokens(len(prompt)), "tokens")
+        verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
+    verdict.conclude()
+
+
+@pytest.mark.requires(C.RESET_PREFIX_CACHE)
+def test_reset_drops_cached_prefix(
+    cache: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
+) -> None:
+    block = cache.block_size()
+    prompt = prompts.fresh(6 * block + 3)
+    cache.serve_prompt(prompt)
+    warm = cache.serve_prompt(prompt)
+    expected_warm = oracle(cache, len(prompt), len(prompt))
+    verdict.equal(
+        "cached_tokens_before_reset",
+        warm.cached_tokens,
+        expected_warm,
+        "tokens",
+        note="sanity: the prefix was cached before the reset",
+    )
+    cache.reset_prefix_cache()
+    before = cache.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
+    after = cache.serve_prompt(prompt)
+    verdict.equal("cached_tokens_after_reset", after.cached_tokens, 0, "tokens")
+    if before is not None:
+        _queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
+        verdict.equal("prefix_hits_counter_delta_after_reset", hits, 0, "tokens")
+    verdict.conclude()
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_partial_block_prefix_hits_match_oracle(
+    engine: EngineAdapter, has, block_size: int, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    """50 % shared prefix whose length is not a multiple of the block: hits = whole blocks."""
+    if block_size != engine.default_block_size and not has(C.BLOCK_SIZE_CONFIG):
+        pytest.skip(
+            f"engine {engine.name} lacks capability block_size_config "
+            f"(runs at block size {engine.default_block_size})"
+        )
+    engine.ensure(EngineConfig(block_size=block_size))
+    if has(C.RESET_PREFIX_CACHE):
+        engine.reset_prefix_cache()
+    shared = 3 * block_size + block_size // 2 + 1
+    prefix = prompts.fresh(shared)
+    first = prompts.extend(prefix, 2 * shared)
+    second = prompts.extend(prefix, 2 * shared)
+    engine.serve_prompt(first)
+    before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
+    result = engine.serve_prompt(second)
+    expected = oracle(engine, shared, len(second))
+    verdict.record("block_size", block_size, "tokens")
+    verdict.record("shared_prefix_tokens", shared, "tokens")
+    verdict.record("prompt_tokens", len(second), "tokens")
+    verdict.record("hit_ratio_of_shared", result.cached_tokens / shared, better="higher", tolerance=0.01)
+    verdict.equal(
+        "cached_tokens_in_response",
+        result.cached_tokens,
+        expected,
+        "tokens",
+        note=f"oracle floor({shared}/{block_size})*{block_size}",
+    )
+    if before is not None:
+        _queried, hits = wait_counted(engine, before, engine.queried_tokens(len(second)))
+        verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
+    verdict.conclude()

@@ -1,0 +1,90 @@
+"""Cross-stack: an engine's KV events, replayed into another stack's router index, give the
+same prefix lengths as the engine's own cache (e.g. SGLang's events in Dynamo's format into
+Dynamo's RadixTree). Runs when the session selects an engine with a drivable radix cache and
+another with a router-side index.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.RADIX_CACHE_MODEL)
+
+PAGE = 16
+WORKER = 1
+U64 = (1 << 64) - 1
+
+
+@pytest.fixture
+def index_engine(other_engines: list[EngineAdapter]) -> EngineAdapter:
+    for other in other_engines:
+        if C.RADIX_INDEX in other.effective_capabilities():
+            return other
+    pytest.skip("no engine with capability radix_index selected in this session (select one with --engine)")
+
+
+def to_index_events(events: list[dict], first_id: int) -> list[dict]:
+    out = []
+    for i, raw in enumerate(events, first_id):
+        if raw["type"] == "BlockStored":
+            tokens = raw["token_ids"]
+            size = raw["block_size"]
+            blocks = [
+                {"hash": h & U64, "tokens": tokens[j * size : (j + 1) * size]}
+                for j, h in enumerate(raw["block_hashes"])
+            ]
+            parent = raw.get("parent_block_hash")
+            out.append(
+                {
+                    "type": "stored",
+                    "worker": WORKER,
+                    "dp_rank": 0,
+                    "id": i,
+                    "parent": parent & U64 if parent is not None else None,
+                    "blocks": blocks,
+                }
+            )
+        elif raw["type"] == "BlockRemoved":
+            out.append(
+                {
+                    "type": "removed",
+                    "worker": WORKER,
+                    "dp_rank": 0,
+                    "id": i,
+                    "hashes": [h & U64 for h in raw["block_hashes"]],
+                }
+            )
+        else:
+            out.append({"type": "cleared", "worker": WORKER, "dp_rank": 0, "id": i})
+    return out
+
+
+def test_events_replayed_into_router_index_match(
+    engine: EngineAdapter, index_engine: EngineAdapter, verdict: Verdict
+) -> None:
+    engine.radix_new(PAGE, 1024)
+    base = list(range(100, 164))
+    sequences = [base + list(range(500 + 40 * i, 540 + 40 * i)) for i in range(6)]
+    sequences += [base[:32] + list(range(900, 980)), list(range(2000, 2100))]
+    for tokens in sequences:
+        engine.radix("insert", token_ids=tokens)
+    engine.radix("evict", num_tokens=200)  # removals reach the index too
+    events = engine.radix("take_events", dynamo_format=True)
+    index_engine.radix_index("tree_new", tree="cross")
+    applied = index_engine.radix_index("tree_apply", events=to_index_events(events, 1), tree="cross")
+    verdict.record("events", len(events))
+    verdict.equal("events_rejected_by_index", applied["rejected"], 0, note=str(applied["results"][:2]))
+    differing = []
+    for tokens in [*sequences, [*base, 1, 2, 3]]:
+        own = engine.radix("match", token_ids=tokens)["prefix_len"]
+        hashes = index_engine.radix_index("block_hashes", token_ids=tokens, block_size=PAGE)["hashes"]
+        scores = index_engine.radix_index("tree_match", block_hashes=hashes, tree="cross")["scores"]
+        routed = sum(s["blocks"] for s in scores if s["worker"] == WORKER) * PAGE
+        if routed != own:
+            differing.append(f"{len(tokens)} tokens: index {routed} vs engine {own}")
+    verdict.equal("queries_where_index_and_engine_differ", len(differing), 0, note="; ".join(differing[:4]))
+    verdict.conclude()

@@ -1,0 +1,63 @@
+"""Eviction hygiene: an evicted prefix is not reported as a hit, and hits + misses account
+for every queried token (a prefix index not cleaned on eviction reports phantom hits)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.counters import wait_counted
+
+pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.FORCED_EVICTION)
+
+
+def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.0) -> int:
+    """Serve unrelated prompts totalling `factor` x the cache capacity; returns tokens served.
+
+    With several workers behind a router, each worker must receive `factor` x its own
+    capacity: the router spreads fresh prompts at random, so we send 2 x workers x that
+    (with 16+ prompts per worker, a worker getting under half its share is vanishingly rare).
+    """
+    capacity = engine.cache_capacity_tokens()  # per worker
+    length = min(1024, max(capacity // 8, engine.block_size() * 4))
+    total = factor * capacity * (1 if engine.workers == 1 else 2 * engine.workers)
+    served = 0
+    while served < total:
+        engine.serve_prompt(prompts.fresh(length))
+        served += length
+    return served
+
+
+def test_evicted_prefix_not_reported_as_hit(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
+) -> None:
+    engine.ensure(EngineConfig())
+    block = engine.block_size()
+    target = prompts.fresh(8 * block)
+    cold = engine.serve_prompt(target)
+    filler = fill_cache(engine, prompts)
+    verdict.record(
+        "filler_tokens",
+        filler,
+        "tokens",
+        note=f"capacity {engine.cache_capacity_tokens()} per worker, {engine.workers} worker(s)",
+    )
+    before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
+    again = engine.serve_prompt(target)
+    verdict.equal(
+        "cached_tokens_after_eviction",
+        again.cached_tokens,
+        0,
+        "tokens",
+        note="every block of the prefix was evicted by 2x capacity of other prompts",
+    )
+    verdict.record("output_identical_to_cold_run", int(again.output == cold.output))
+    if before is not None:
+        queried, hits = wait_counted(engine, before, engine.queried_tokens(len(target)))
+        verdict.equal("queried_tokens_counter_delta", queried, engine.queried_tokens(len(target)), "tokens")
+        verdict.equal("hit_tokens_counter_delta", hits, again.cached_tokens, "tokens")
+        verdict.expect("hits_plus_misses_cover_queries", hits + (queried - hits), "==", queried)
+    verdict.conclude()

@@ -1,0 +1,82 @@
+"""Persisted prefixes survive a restart, and damaged entries are recomputed, never served.
+
+Restart survival applies only where the engine promises persistence (capability
+persistent_prefix); an engine that promises it and loses hits fails with the numbers. A
+corrupt SSD entry served as a hit (fixed in oMLX 0.5.3) is the damage case: after the
+entries are corrupted or truncated on disk, no hit may be counted for them and the output
+must equal a cold run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.RESTART, C.PERSISTENT_PREFIX)
+
+PERSISTENT = EngineConfig(persistent=True)
+
+
+def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+    engine.ensure(PERSISTENT)
+    block = engine.block_size()
+    prompt = prompts.fresh(8 * block + block // 3)
+    cold = engine.serve_prompt(prompt)
+    engine.flush_persistent()
+    reports = engine.restart()
+    verdict.expect(
+        "teardown_leftovers",
+        sum(not r.clean for r in reports),
+        "==",
+        0,
+        note="; ".join(r.describe() for r in reports),
+    )
+    warm = engine.serve_prompt(prompt)
+    expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token)
+    verdict.record("cold_cached_tokens", cold.cached_tokens, "tokens")
+    verdict.expect(
+        "cached_tokens_after_restart",
+        warm.cached_tokens,
+        ">=",
+        expected,
+        "tokens",
+        better="higher",
+        note="hits must survive the restart",
+    )
+    verdict.equal("output_identical_to_cold_run", int(warm.output == cold.output), 1)
+    verdict.conclude()
+
+
+@pytest.mark.requires(C.CORRUPT_PERSISTED)
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_corrupt_persisted_entry_recomputed(
+    engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    engine.ensure(PERSISTENT)
+    block = engine.block_size()
+    before = set(engine.persisted_entries())
+    prompt = prompts.fresh(6 * block + 1)
+    cold = engine.serve_prompt(prompt)
+    engine.flush_persistent()
+    engine.stop()  # the process is gone before its files are touched
+    damaged = [p for p in engine.persisted_entries() if p not in before]
+    verdict.expect("entries_damaged", len(damaged), ">=", 1, note="the prompt must have been persisted")
+    for path in damaged:
+        data = path.read_bytes()
+        if damage == "truncate":
+            path.write_bytes(data[: len(data) // 2])
+        else:
+            middle = len(data) // 2
+            path.write_bytes(
+                data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
+            )
+    engine.ensure(PERSISTENT)
+    warm = engine.serve_prompt(prompt)
+    verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
+    verdict.equal("output_identical_to_cold_run", int(warm.output == cold.output), 1)
+    verdict.conclude()

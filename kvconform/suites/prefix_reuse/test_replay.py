@@ -1,0 +1,82 @@
+"""Offline trace replay reports, per request, the reuse the trace's shared prefixes allow.
+
+The trace is ours: requests built from a few shared prefixes (hash_ids per block), some
+prompts block-aligned, some not, replayed one at a time on one worker with a cache large
+enough to keep everything. Oracle per request: the longest block prefix it shares with any
+earlier request, capped by the last-token rule: min(shared, floor((n - 1) / block)) blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.TRACE_REPLAY)
+
+BLOCK = 16
+
+
+def build_trace() -> list[dict]:
+    groups = {"a": [1, 2, 3, 4], "b": [1, 2, 50, 51, 52], "c": [90]}
+    shapes = [
+        ("a", 2, 0),
+        ("a", 3, 5),
+        ("b", 1, 0),
+        ("a", 0, 0),
+        ("c", 4, 9),
+        ("b", 2, 3),
+        ("a", 2, 0),
+        ("c", 4, 9),
+    ]
+    trace, fresh = [], 1000
+    for i, (group, extra_blocks, tail) in enumerate(shapes):
+        hash_ids = list(groups[group])
+        for _ in range(extra_blocks):
+            hash_ids.append(fresh)
+            fresh += 1
+        length = len(hash_ids) * BLOCK
+        if tail:  # a partial last block: its own hash id
+            hash_ids.append(fresh)
+            fresh += 1
+            length += tail
+        trace.append({"timestamp": i * 100, "input_length": length, "output_length": 2, "hash_ids": hash_ids})
+    # Identical requests share everything, partial block included.
+    trace.append({**trace[4], "timestamp": len(trace) * 100})
+    return trace
+
+
+def oracle(trace: list[dict]) -> list[int]:
+    reused = []
+    for i, req in enumerate(trace):
+        full = req["input_length"] // BLOCK
+        shared = 0
+        for prev in trace[:i]:
+            n = 0
+            while n < min(full, len(prev["hash_ids"])) and prev["hash_ids"][n] == req["hash_ids"][n]:
+                n += 1
+            shared = max(shared, n)
+        reused.append(min(shared, (req["input_length"] - 1) // BLOCK) * BLOCK)
+    return reused
+
+
+def test_trace_replay_reuse_matches_oracle(engine: EngineAdapter, verdict: Verdict) -> None:
+    trace = build_trace()
+    result = engine.replay(
+        trace, {"block_size": BLOCK, "num_gpu_blocks": 4096}, mode="agg", num_workers=1, replay_concurrency=1
+    )
+    rows = sorted(result["requests"], key=lambda r: r["arrival_time_ms"])
+    expected = oracle(trace)
+    got = [int(r["reused_input_tokens"]) for r in rows]
+    wrong = [
+        f"#{i} n={t['input_length']}: {g} != {e}"
+        for i, (t, g, e) in enumerate(zip(trace, got, expected, strict=True))
+        if g != e
+    ]
+    verdict.record("requests", len(rows))
+    verdict.record("reused_per_request", ", ".join(map(str, got)), "tokens", note=f"oracle {expected}")
+    verdict.equal("completed_requests", sum(r["terminal_status"] == "completed" for r in rows), len(trace))
+    verdict.equal("requests_off_oracle", len(wrong), 0, note="; ".join(wrong[:5]))
+    verdict.conclude()

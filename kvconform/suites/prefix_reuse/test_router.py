@@ -1,0 +1,59 @@
+"""A KV-aware router predicts, for every request, the cached prefix the worker then reports.
+
+The router's index is built from the workers' KV events; a removal it misses (or a block it
+misplaces) turns into a prediction the worker does not honour. The workload mixes shared
+prefixes, repeats and evictions so that stores and removals both reach the router.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig, poll_until
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.test_eviction import fill_cache
+
+pytestmark = pytest.mark.requires(C.ROUTER_PREDICTION)
+
+
+def test_router_prediction_matches_worker(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    engine.ensure(EngineConfig())
+    block = engine.block_size()
+    system = prompts.fresh(4 * block + 3)
+    workload = [prompts.extend(system, 6 * block + i) for i in range(4)]
+    workload += [workload[0], workload[2]]
+    before = engine.metrics()
+    mismatches = []
+    rows = []
+    for phase in ("warm", "after_eviction"):
+        if phase == "after_eviction":
+            fill_cache(engine, prompts)
+        for tokens in workload:
+            predicted, served = engine.serve_routed(tokens)
+            rows.append((phase, len(tokens), predicted, served.cached_tokens))
+            if predicted != served.cached_tokens:
+                mismatches.append(
+                    f"{phase} len={len(tokens)} predicted={predicted} cached={served.cached_tokens}"
+                )
+    verdict.record("requests", len(rows))
+    verdict.record("predicted_vs_cached", "; ".join(f"{p}/{c}" for _ph, _n, p, c in rows))
+    verdict.equal("mispredicted_requests", len(mismatches), 0, note="; ".join(mismatches[:6]))
+    after = engine.metrics()
+    errors = engine.router_event_errors(before, after)
+    if errors is not None:
+        verdict.equal("router_events_not_applied_ok", sum(errors.values()), 0, "events", note=str(errors))
+    if "active_blocks" in engine.metric_names:
+        drained = poll_until(lambda: engine.metric("active_blocks", engine.metrics()) == 0, timeout_s=10.0)
+        verdict.equal(
+            "active_blocks_after_requests",
+            engine.metric("active_blocks", engine.metrics()),
+            0,
+            "blocks",
+            note="the router's view of blocks held once every request finished",
+        )
+        verdict.record("drained", int(drained))
+    verdict.conclude()

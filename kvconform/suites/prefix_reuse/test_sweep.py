@@ -1,0 +1,46 @@
+"""Block-size sweep: hit ratio vs shared fraction at block sizes 32/64/128/256, against the
+block-granularity oracle, with a plot for the report."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.report import attach_png, plot_sweep
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.BLOCK_SIZE_CONFIG, C.RESET_PREFIX_CACHE)
+
+BLOCK_SIZES = (32, 64, 128, 256)
+SHARED_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
+PROMPT_TOKENS = 640
+
+
+def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+    curves: dict[int, list[tuple[float, float, float]]] = {}
+    off_oracle = []
+    for block in BLOCK_SIZES:
+        engine.ensure(EngineConfig(block_size=block))
+        curve = []
+        for fraction in SHARED_FRACTIONS:
+            engine.reset_prefix_cache()
+            shared = int(PROMPT_TOKENS * fraction)
+            prefix = prompts.fresh(shared)
+            engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
+            result = engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
+            expected = prefix_hit_tokens(shared, PROMPT_TOKENS, block, engine.recomputes_last_token)
+            curve.append((fraction, result.cached_tokens / shared, expected / shared))
+            if result.cached_tokens != expected:
+                off_oracle.append(f"block {block} shared {shared}: {result.cached_tokens} != {expected}")
+        curves[block] = curve
+        verdict.record(
+            f"hit_ratio_block_{block}",
+            ", ".join(f"{f:.1f}:{h:.2f}" for f, h, _o in curve),
+            note="shared fraction: hits / shared tokens",
+        )
+    attach_png("block size sweep", plot_sweep(curves))
+    verdict.equal("points_off_oracle", len(off_oracle), 0, note="; ".join(off_oracle[:8]))
+    verdict.conclude()

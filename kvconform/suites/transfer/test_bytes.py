@@ -1,0 +1,89 @@
+"""KV transfer byte totals reconcile, and page indices are right.
+
+bytes sent = bytes received = (pages x page bytes + states x state bytes) x replicas, with
+page bytes computed from the model shape (layers, heads, head dim, dtype, MHA vs MLA, state
+components) and replicas = the fan-out for MLA layouts only (SGLang's accounting fix).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.oracles import KvLayout, page_indices, transfer_bytes
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+
+LAYOUTS = [("mha", 1), ("mha", 4), ("mla", 1), ("mla", 4), ("mla_state", 4)]
+PAGE_SIZES = [1, 4, 16]
+
+
+def _supported(engine: EngineAdapter, layout: str, page_size: int) -> None:
+    if layout not in engine.transfer_layouts:
+        pytest.skip(f"engine {engine.name} has no {layout} transfer layout")
+    if page_size not in engine.transfer_page_sizes:
+        pytest.skip(f"engine {engine.name} does not transfer with page size {page_size}")
+
+
+@pytest.mark.requires(C.TRANSFER_ACCOUNTING)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize(("layout", "destinations"), LAYOUTS)
+def test_transfer_bytes_reconcile(
+    engine: EngineAdapter,
+    layout: str,
+    destinations: int,
+    page_size: int,
+    prompts: PromptFactory,
+    verdict: Verdict,
+) -> None:
+    _supported(engine, layout, page_size)
+    engine.ensure(EngineConfig())
+    tokens = prompts.fresh(3 * 16 + 5)
+    result = engine.transfer(tokens, layout, page_size, destinations)
+    kv_layout = KvLayout(layout)
+    pages = math.ceil(len(tokens) / page_size)
+    page_bytes = engine.model.page_bytes(kv_layout, page_size)
+    state_indices = 1 if layout == "mla_state" else 0
+    expected = transfer_bytes(
+        kv_layout, pages, page_bytes, state_indices, engine.model.state_bytes(kv_layout), destinations
+    )
+    verdict.record("pages", pages)
+    verdict.record("page_bytes_from_model_shape", page_bytes, "bytes")
+    verdict.record("replica_factor", kv_layout.replica_factor(destinations))
+    verdict.equal("state_indices", result.state_indices, state_indices)
+    verdict.equal(
+        "bytes_sent",
+        result.bytes_sent,
+        expected,
+        "bytes",
+        note="(pages x page bytes + states x state bytes) x replicas",
+    )
+    if result.bytes_received is not None:
+        verdict.equal("bytes_received", result.bytes_received, expected, "bytes")
+    verdict.conclude()
+
+
+@pytest.mark.requires(C.PAGE_INDEX)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_page_indices_match_oracle(
+    engine: EngineAdapter, page_size: int, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    """Page indices = the pages the request's KV slots touch, in order (SGLang #31173)."""
+    _supported(engine, engine.transfer_layouts[0] if engine.transfer_layouts else "mha", page_size)
+    engine.ensure(EngineConfig())
+    tokens = prompts.fresh(2 * 16 + 7)
+    result = engine.transfer(tokens, engine.transfer_layouts[0], page_size, 1)
+    expected = page_indices(result.kv_indices, page_size)
+    wrong = [i for i, (a, b) in enumerate(zip(result.page_indices, expected, strict=False)) if a != b]
+    verdict.record("kv_indices", len(result.kv_indices))
+    verdict.equal("page_count", len(result.page_indices), len(expected))
+    verdict.equal(
+        "pages_differing_from_oracle",
+        len(wrong),
+        0,
+        note=f"first: engine {result.page_indices[wrong[0]]} vs oracle {expected[wrong[0]]}" if wrong else "",
+    )
+    verdict.conclude()
