@@ -15,7 +15,8 @@ import pytest
 from kvconform.adapters.omlx.adapter import OmlxAdapter
 from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.contract import AdapterContext
-from tests.contract.fakes import FakeOmlx, FakeTrtllm
+from tests.contract.fake_omlx import FakeOmlx
+from tests.contract.fake_trtllm import FakeTrtllm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from kvconform.contract import AdapterContext
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
-from tests.contract.fakes import FakeOmlx
+from tests.contract.fake_omlx import FakeOmlx
 
 
 def test_token_ids_travel_as_words_and_cached_tokens_are_read(omlx: OmlxAdapter) -> None:

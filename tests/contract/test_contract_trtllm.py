@@ -13,7 +13,7 @@ from kvconform.contract import AdapterContext
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
-from tests.contract.fakes import FakeTrtllm
+from tests.contract.fake_trtllm import FakeTrtllm
 from tests.suite_runs import run_suites
 
 
