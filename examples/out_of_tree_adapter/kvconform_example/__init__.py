@@ -1,0 +1,1 @@
+"""An out-of-tree kvconform adapter: the reference engine under another name."""
