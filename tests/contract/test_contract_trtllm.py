@@ -1,20 +1,64 @@
-"""Contract tests of adapters/trtllm.py against FakeTrtllm (no GPU, no TensorRT-LLM)."""
+"""Contract tests of adapters/trtllm against FakeTrtllm (no GPU, no TensorRT-LLM), per release.
+
+Every adapter-against-fake test runs against the 1.2.1 and the 1.3.0rc29 fake: the adapter
+reads the release from /version and may read only the names that release serves.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvconform.adapters.trtllm.adapter import TrtllmAdapter, parse_kv_event
-from kvconform.contract import AdapterContext
+from kvconform.adapters.trtllm.adapter import (
+    METRIC_SINCE,
+    PERF_METRICS_ENV,
+    RELEASE_12,
+    RELEASE_13,
+    TrtllmAdapter,
+    parse_kv_event,
+    release_line,
+)
+from kvconform.contract import AdapterContext, EngineConfig
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
+from kvconform.metrics import parse_prometheus
 from kvconform.processes import free_port
-from tests.contract.fake_trtllm import FakeTrtllm
+from tests.contract import fake_trtllm as fakes
+from tests.contract.fake_trtllm import RELEASES, FakeTrtllm
 from tests.suite_runs import run_suites
+
+
+@pytest.fixture(params=RELEASES)
+def fake_trtllm(request: pytest.FixtureRequest) -> Iterator[FakeTrtllm]:
+    """One fake per release (overrides conftest's single one)."""
+    server = FakeTrtllm(release=request.param)
+    yield server
+    server.close()
+
+
+def attach(fake: FakeTrtllm, tmp_path: Path) -> TrtllmAdapter:
+    return TrtllmAdapter(AdapterContext(workdir=tmp_path, url=fake.url, request_timeout_s=5))
+
+
+def test_release_line_of_versions() -> None:
+    assert release_line("1.2.1") == "1.2"
+    assert release_line("1.2.0rc6") == "1.2"
+    assert release_line("1.3.0rc29") == "1.3"
+    assert release_line("1.4.0") == "1.3"  # newer: the newest line this adapter knows
+    assert release_line("1.1.0") is None
+    assert release_line("unknown (attached)") is None
+
+
+def test_adapter_reads_the_release_from_version(trtllm: TrtllmAdapter, fake_trtllm) -> None:
+    assert trtllm.version == fake_trtllm.release
+    expected = RELEASE_13 if fake_trtllm.v13 else RELEASE_12
+    assert trtllm.release() is expected
+    assert trtllm.version == fake_trtllm.release  # asked once: skips ask per collected check
+    assert [p for _, p in fake_trtllm.log].count("/version") == 1
 
 
 def test_serve_prompt_sends_token_ids_and_reads_cached_tokens(trtllm: TrtllmAdapter, fake_trtllm) -> None:
@@ -28,19 +72,52 @@ def test_serve_prompt_sends_token_ids_and_reads_cached_tokens(trtllm: TrtllmAdap
     assert len(body_prompts) == 2
 
 
-def test_capabilities_attach_vs_launch(tmp_path: Path) -> None:
+def test_capabilities_per_release_and_mode(tmp_path: Path, fake_trtllm) -> None:
+    attached = attach(fake_trtllm, tmp_path)
+    caps = attached.effective_capabilities()
+    assert {C.BLOCK_POOL_STATS, C.KV_EVENTS, C.PREFIX_CACHE} <= caps
+    assert C.RESTART not in caps and C.HOST_MEMORY not in caps
+    assert C.RESET_PREFIX_CACHE not in attached.capabilities  # no reset endpoint in trtllm-serve
+    if fake_trtllm.v13:
+        assert C.PREFIX_HIT_COUNTERS in caps
+        assert attached.capability_gaps() == {}
+    else:
+        assert C.PREFIX_HIT_COUNTERS not in caps
+        why = attached.capability_gaps()[C.PREFIX_HIT_COUNTERS]
+        assert why.startswith("TensorRT-LLM 1.2.1: ") and "trtllm_prompt_cached_tokens_total" in why
+
+
+def test_launch_mode_release_is_the_env_spec_pin(tmp_path: Path) -> None:
     launched = TrtllmAdapter(AdapterContext(workdir=tmp_path))
-    attached = TrtllmAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
-    assert {
-        C.BLOCK_POOL_STATS,
-        C.KV_EVENTS,
-        C.PREFIX_CACHE,
-        C.PREFIX_HIT_COUNTERS,
-    } <= attached.effective_capabilities()
-    assert C.RESTART in launched.effective_capabilities()
-    assert C.RESTART not in attached.effective_capabilities()
-    assert C.HOST_MEMORY not in attached.effective_capabilities()
-    assert C.RESET_PREFIX_CACHE not in launched.capabilities  # no reset endpoint in trtllm-serve
+    assert launched.target_version() == "1.2.1"  # envs/trtllm.toml: tensorrt-llm==1.2.1
+    caps = launched.effective_capabilities()
+    assert {C.RESTART, C.HOST_MEMORY, C.BLOCK_POOL_STATS, C.KV_EVENTS} <= caps
+    assert C.PREFIX_HIT_COUNTERS not in caps
+    assert launched.metric_names == {}
+
+
+def test_unknown_version_reads_as_the_oldest_line(tmp_path: Path) -> None:
+    fake = FakeTrtllm(release=fakes.RELEASE_13)
+    fake.routes.pop(("GET", "/version"))  # an older or proxied server: no /version
+    adapter = attach(fake, tmp_path)
+    try:
+        assert adapter.release() is RELEASE_12
+        assert C.PREFIX_HIT_COUNTERS not in adapter.effective_capabilities()
+        assert "not a known release: read as 1.2" in adapter.capability_gaps()[C.PREFIX_HIT_COUNTERS]
+    finally:
+        adapter.close()
+        fake.close()
+
+
+def test_options_file_keeps_perf_metrics(tmp_path: Path) -> None:
+    launched = TrtllmAdapter(AdapterContext(workdir=tmp_path))
+    options = launched.llm_api_options(EngineConfig())
+    assert options["perf_metrics_max_requests"] > 0  # default 0 keeps no /perf_metrics records
+    assert options["return_perf_metrics"] and options["enable_iter_perf_stats"]
+    assert options["kv_cache_config"]["event_buffer_max_size"] > 0  # default 0: no events
+    assert not launched.reads_perf_metrics()  # nothing written yet
+    launched._options = options  # what start() writes to the options file
+    assert launched.reads_perf_metrics()
 
 
 def test_block_pool_stats_read_from_drained_metrics(trtllm: TrtllmAdapter, fake_trtllm) -> None:
@@ -52,8 +129,11 @@ def test_block_pool_stats_read_from_drained_metrics(trtllm: TrtllmAdapter, fake_
     assert [p.iteration for p in pools] == [1, 2, 3, 4]
     last = pools[-1]
     assert (last.max_blocks, last.used_blocks, last.free_blocks, last.tokens_per_block) == (256, 0, 256, 8)
-    assert (last.reused_blocks, last.missed_blocks) == (4, 6)
-    assert last.hit_rate == pytest.approx(0.4, abs=1e-6)
+    # 1.2.1 counts its warmup request's block as missed; 1.3 (#12132) leaves warmup out
+    warmup = 0 if fake_trtllm.v13 else fake_trtllm.warmup_missed
+    assert warmup == (0 if fake_trtllm.v13 else 1)
+    assert (last.reused_blocks, last.missed_blocks) == (4, 6 + warmup)
+    assert last.hit_rate == pytest.approx(4 / (10 + warmup), abs=1e-6)
     assert all(p.cumulative for p in pools)
     assert trtllm.block_size() == 8
     # drained: the server holds nothing more, yet the adapter still has every iteration
@@ -86,8 +166,9 @@ def test_concurrent_drain_loses_and_doubles_nothing(fake_trtllm, tmp_path: Path)
     assert seen_lengths == sorted(seen_lengths), "a snapshot never shrinks"
 
 
-def test_redelivered_iteration_is_kept_once(tmp_path: Path) -> None:
-    fake = FakeTrtllm(mode="redeliver")
+@pytest.mark.parametrize("release", RELEASES)
+def test_redelivered_iteration_is_kept_once(tmp_path: Path, release: str) -> None:
+    fake = FakeTrtllm(release, mode="redeliver")
     adapter = TrtllmAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
     try:
         adapter.serve_prompt(list(range(10, 30)))
@@ -103,8 +184,9 @@ def test_redelivered_iteration_is_kept_once(tmp_path: Path) -> None:
         fake.close()
 
 
-def test_iteration_gap_is_recorded(tmp_path: Path) -> None:
-    fake = FakeTrtllm(mode="skip_iter")
+@pytest.mark.parametrize("release", RELEASES)
+def test_iteration_gap_is_recorded(tmp_path: Path, release: str) -> None:
+    fake = FakeTrtllm(release, mode="skip_iter")
     adapter = TrtllmAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
     try:
         for _ in range(2):
@@ -127,7 +209,7 @@ def test_kv_events_drained_into_ledger(trtllm: TrtllmAdapter, fake_trtllm) -> No
     assert events[1].parent_hash is None and events[2].parent_hash == events[1].block_hashes[-1]
     judged = trtllm.ledger.judge()
     assert judged.violations == [] and judged.stored == 6 and judged.resident_count("device") == 6
-    assert fake_trtllm.events == []  # drained on the server side
+    assert list(fake_trtllm.events) == []  # drained on the server side
     trtllm.drain_events()
     assert len(trtllm.ledger.events()) == 3  # nothing counted twice
 
@@ -175,17 +257,135 @@ def test_kv_event_kinds_map_to_one_ledger_form() -> None:
         parse_kv_event({"event_id": 1, "data": {"type": "teleported"}}, medium)
 
 
-def test_prometheus_counters_and_perf_metrics(trtllm: TrtllmAdapter) -> None:
+def test_prometheus_counters_per_release(trtllm: TrtllmAdapter, fake_trtllm) -> None:
     before = trtllm.metrics()
     prompt = list(range(300, 340))
     trtllm.serve_prompt(prompt)
     trtllm.serve_prompt(prompt)
     after = trtllm.metrics()
-    assert trtllm.metric_delta("prefix_queries", before, after) == 80
-    assert trtllm.metric_delta("prefix_hits", before, after) == 32
-    perf = trtllm.perf_metrics()
-    assert [p["perf_metrics"]["kv_cache_metrics"]["num_reused_blocks"] for p in perf] == [0, 4]
-    assert trtllm.perf_metrics() == perf  # drained once, kept
+    assert after.value("request_success_total") == 2  # both releases: the request metrics
+    if fake_trtllm.v13:
+        assert trtllm.metric_delta("prefix_queries", before, after) == 80
+        assert trtllm.metric_delta("prefix_hits", before, after) == 32
+        assert trtllm.metric("blocks_total", after) == 256
+    else:
+        with pytest.raises(
+            NotImplementedError, match=r"TensorRT-LLM 1\.2\.1 exports no trtllm_prompt_tokens_total"
+        ):
+            trtllm.metric_delta("prefix_queries", before, after)
+
+
+def test_adapter_reads_only_names_its_release_serves(trtllm: TrtllmAdapter, fake_trtllm) -> None:
+    """Every name the adapter maps for this release is in that release's exposition, every
+    other logical metric is refused naming the release, and 1.3-only row fields are never read
+    from 1.2.1."""
+    trtllm.serve_prompt(list(range(500, 540)))
+    text = fake_trtllm._prometheus({}, None, {})[1]
+    served = set(parse_prometheus(text).names())
+    mapped = set(trtllm.metric_names.values())
+    assert mapped <= served
+    if not fake_trtllm.v13:
+        assert mapped == set() and not any(n.startswith("trtllm_") for n in served)
+    snapshot = trtllm.metrics()
+    for logical in set(METRIC_SINCE) - set(trtllm.metric_names):
+        with pytest.raises(NotImplementedError, match=rf"TensorRT-LLM {fake_trtllm.release} exports no "):
+            trtllm.metric(logical, snapshot)
+    rows = trtllm.iteration_stats()
+    assert all(("kvCacheIterationStats" in r) == fake_trtllm.v13 for r in rows)
+    if fake_trtllm.v13:
+        per_iter = trtllm.iteration_pool_stats()
+        assert [(p.used_blocks, p.missed_blocks, p.cumulative) for p in per_iter] == [
+            (5, 5, False),
+            (0, 0, False),
+        ]
+    else:
+        with pytest.raises(
+            NotImplementedError, match=r"TensorRT-LLM 1\.2\.1 serves no kvCacheIterationStats"
+        ):
+            trtllm.iteration_pool_stats()
+    assert "/perf_metrics" not in [p for _, p in fake_trtllm.log]  # attached, not told: never read
+
+
+def test_exported_metric_missing_is_an_error_naming_it(tmp_path: Path) -> None:
+    fake = FakeTrtllm(fakes.RELEASE_13)
+    full = fake._prometheus_13
+    fake._prometheus_13 = lambda: [ln for ln in full() if "trtllm_prompt_cached_tokens_total" not in ln]
+    adapter = attach(fake, tmp_path)
+    try:
+        with pytest.raises(EngineError, match=r"/prometheus/metrics lacks trtllm_prompt_cached_tokens_total"):
+            adapter.metric("prefix_hits", adapter.metrics())  # never a 0
+    finally:
+        adapter.close()
+        fake.close()
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_perf_metrics_only_where_the_server_keeps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: str
+) -> None:
+    keeping = FakeTrtllm(release, perf_metrics_max_requests=16)
+    default = FakeTrtllm(release)  # perf_metrics_max_requests=0, as upstream's default
+    try:
+        plain = attach(keeping, tmp_path)
+        with pytest.raises(NotImplementedError, match=PERF_METRICS_ENV):
+            plain.perf_metrics()
+        plain.close()
+        monkeypatch.setenv(PERF_METRICS_ENV, "1")
+        told = attach(keeping, tmp_path)
+        prompt = list(range(300, 340))
+        told.serve_prompt(prompt)
+        told.serve_prompt(prompt)
+        perf = told.perf_metrics()
+        assert [p["perf_metrics"]["kv_cache_metrics"]["num_reused_blocks"] for p in perf] == [0, 4]
+        assert told.perf_metrics() == perf  # drained once, kept
+        told.close()
+        empty = attach(default, tmp_path)
+        empty.serve_prompt(prompt)
+        assert empty.perf_metrics() == []  # the server answers [] without the option
+        empty.close()
+    finally:
+        keeping.close()
+        default.close()
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_fake_serves_what_its_release_serves(release: str) -> None:
+    """The fakes themselves, against the facts read from upstream."""
+    import requests
+
+    fake = FakeTrtllm(release)
+    try:
+        requests.post(fake.url + "/v1/completions", json={"prompt": list(range(20))}, timeout=5)
+        snap = parse_prometheus(requests.get(fake.url + "/prometheus/metrics", timeout=5).text)
+        unprefixed = {n for n in snap.names() if not n.startswith("trtllm_")}
+        assert {
+            n.rsplit("_", 1)[0] if n.endswith(("_bucket", "_count", "_sum")) else n for n in unprefixed
+        } == {
+            "request_success_total",
+            "e2e_request_latency_seconds",
+            "time_to_first_token_seconds",
+            "time_per_output_token_seconds",
+            "request_queue_time_seconds",
+        }
+        assert snap.labels_of("request_success_total") == [
+            {"model_name": "undefined", "engine_type": "undefined", "finished_reason": "length"}
+        ]
+        assert any(n.startswith("trtllm_") for n in snap.names()) == release.startswith("1.3")
+        assert requests.get(fake.url + "/perf_metrics", timeout=5).json() == []
+        rows = requests.get(fake.url + "/metrics", timeout=5).json()
+        assert all(("kvCacheIterationStats" in r) == release.startswith("1.3") for r in rows)
+    finally:
+        fake.close()
+    bare = FakeTrtllm(
+        release, return_perf_metrics=False, enable_iter_perf_stats=False, event_buffer_max_size=0
+    )
+    try:
+        assert requests.get(bare.url + "/prometheus/metrics", timeout=5).status_code == 404
+        requests.post(bare.url + "/v1/completions", json={"prompt": list(range(20))}, timeout=5)
+        assert requests.get(bare.url + "/metrics", timeout=5).json() == []
+        assert requests.post(bare.url + "/kv_cache_events", timeout=5).json() == []
+    finally:
+        bare.close()
 
 
 @pytest.mark.parametrize(
@@ -220,12 +420,39 @@ def run_suite(url: str, tmp_path: Path, target: str) -> subprocess.CompletedProc
 
 
 POOL_CHECK = "kvconform/suites/offload_metrics/test_pool_stats.py"
+REUSE_CHECK = "kvconform/suites/prefix_reuse/test_block_reuse.py"
 
 
-def test_pool_stats_check_passes_on_consistent_engine(fake_trtllm, tmp_path: Path) -> None:
-    run = run_suite(fake_trtllm.url, tmp_path, POOL_CHECK)
+@pytest.mark.parametrize("release", RELEASES)
+def test_pool_stats_check_passes_on_consistent_engine(tmp_path: Path, release: str) -> None:
+    fake = FakeTrtllm(release)
+    try:
+        run = run_suite(fake.url, tmp_path, POOL_CHECK)
+    finally:
+        fake.close()
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "1 passed" in run.stdout
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_block_reuse_checks_read_counters_only_where_the_release_has_them(
+    tmp_path: Path, release: str
+) -> None:
+    """The prefix checks run on both; the hit counters they read where PREFIX_HIT_COUNTERS is
+    offered (1.3) and are left alone on 1.2.1, whose /prometheus/metrics lacks them."""
+    fake = FakeTrtllm(release, tokens_per_block=32)  # the default before any iteration is seen
+    options = ["--engine", "trtllm", "--engine-url", fake.url]
+    try:
+        check = REUSE_CHECK + "::test_repeated_prompt_served_from_cache"
+        run, records = run_suites([check], options, tmp_path / "results", timeout=300)
+    finally:
+        fake.close()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout
+    measured = {
+        m["name"] for m in records["prefix_reuse::test_repeated_prompt_served_from_cache"]["measures"]
+    }
+    assert ("prefix_hits_counter_delta" in measured) == release.startswith("1.3")
 
 
 @pytest.mark.parametrize(

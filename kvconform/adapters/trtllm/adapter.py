@@ -1,42 +1,63 @@
 """TensorRT-LLM (GPU runners only): `trtllm-serve` launched by the suite, or attached to.
 
-What the server offers and how this adapter reads it (TensorRT-LLM 1.2,
-tensorrt_llm/serve/openai_server.py, tensorrt_llm/commands/serve.py):
+The adapter is version-aware: it knows which release line it speaks to (1.2.x or 1.3.0rcN)
+and reads only names that line serves (`Release` below). The version comes from the built
+environment in launch mode (its pinned `tensorrt-llm==` when not built yet) and from
+`GET /version` when attached (tensorrt_llm/serve/openai_server.py `version`). Capabilities
+whose data a release lacks are absent for that version (effective_capabilities), with the
+release named in `capability_gaps()`.
 
-- `GET /metrics` is JSON: a list of iteration stats (`iter`, `gpuMemUsage`,
-  `kvCacheStats{maxNumBlocks, freeNumBlocks, usedNumBlocks, tokensPerBlock, allocTotalBlocks,
-  allocNewBlocks, reusedBlocks, missedBlocks, cacheHitRate}`, newer builds also
-  `kvCacheIterationStats{<window>: {iter*...}}`). It is DRAINED on read: each iteration is
-  returned to one reader once. So exactly one consumer (a thread of this adapter) reads it,
-  keeps every iteration, and serves copies to the suites. Rows are keyed by
-  (attentionDpRank, iter): a row seen twice is dropped, a jump in `iter` is counted as a gap
-  (another reader, or the server's bounded buffer overflowed).
+What the server offers and how this adapter reads it (tensorrt_llm/serve/openai_server.py,
+tensorrt_llm/commands/serve.py):
+
+- `GET /metrics` is JSON (only with `enable_iter_perf_stats`, default False): a list of
+  iteration stats (`iter`, `gpuMemUsage`, `kvCacheStats{maxNumBlocks, freeNumBlocks,
+  usedNumBlocks, tokensPerBlock, allocTotalBlocks, allocNewBlocks, reusedBlocks, missedBlocks,
+  cacheHitRate}` in 1.2.1 and 1.3, cpp/tensorrt_llm/executor/jsonSerialization.cpp; 1.3 also
+  `kvCacheIterationStats{<window>: {primary*, iter*...}}`, #12413). It is DRAINED on read in
+  both (1.2.1 reads the executor's stats queue; 1.3 after #13405 a background loop buffers and
+  /metrics returns and clears the buffer): each iteration reaches one reader once. So exactly
+  one consumer (a thread of this adapter) reads it, keeps every iteration, and serves copies
+  to the suites. Rows are keyed by (attentionDpRank, iter): a row seen twice is dropped, a
+  jump in `iter` is counted as a gap (another reader, or the server's bounded buffer overflowed).
 - `kvCacheStats.reusedBlocks/missedBlocks` are cumulative BlockManager counters and
   `cacheHitRate` = reused / (reused + missed) over them (0 when reused is 0), a float32
-  (cpp/include/tensorrt_llm/batch_manager/kvCacheManager.h, getKvCacheStats).
+  (cpp/include/tensorrt_llm/batch_manager/kvCacheManager.h, getKvCacheStats). In 1.3 (#12132)
+  they exclude the warmup requests; in 1.2.1 they include them.
 - `POST /kv_cache_events` drains KV cache events, a list of
   `{event_id, data: {type: created|stored|removed|updated, ...}, window_size[, attention_dp_rank]}`
-  (tensorrt_llm/_utils.py KVCacheEventSerializer). `event_id` is one counter per KV cache
-  event manager, +1 per event from 0; consecutive removals are merged into one event; the
-  oldest events are dropped when `event_buffer_max_size` overflows
+  (tensorrt_llm/_utils.py KVCacheEventSerializer), only with
+  `kv_cache_config.event_buffer_max_size` > 0 (default 0: no events). `event_id` is one
+  counter per KV cache event manager, +1 per event from 0; consecutive removals are merged
+  into one event; the oldest events are dropped when `event_buffer_max_size` overflows
   (cpp/tensorrt_llm/batch_manager/kvCacheEventManager.cpp).
-- `GET /perf_metrics` drains per-request records with `perf_metrics.kv_cache_metrics
-  {num_total_allocated_blocks, num_new_allocated_blocks, num_reused_blocks, num_missed_blocks}`.
-- `/prometheus/metrics` (only with `return_perf_metrics: true`): `trtllm_*` Prometheus text
-  (tensorrt_llm/metrics/collector.py).
+- `GET /perf_metrics` drains per-request records `{request_id, perf_metrics: {first_iter,
+  last_iter, timing_metrics, kv_cache_metrics{num_total_allocated_blocks,
+  num_new_allocated_blocks, num_reused_blocks, num_missed_blocks}}}`; the server keeps them
+  only when `return_perf_metrics` and `perf_metrics_max_requests` > 0 (Field(default=0),
+  tensorrt_llm/llmapi/llm_args.py), else it answers `[]`. Read only when this adapter wrote
+  that option (launch mode) or is told the attached server has it.
+- `/prometheus/metrics` is mounted only with `return_perf_metrics: true`
+  (openai_server.py register_routes -> mount_metrics; tensorrt_llm/metrics/collector.py). 1.2.1
+  has five unprefixed request metrics and no KV metric; 1.3.0rc adds `trtllm_kv_cache_*`,
+  `trtllm_prompt_tokens_total`, `trtllm_prompt_cached_tokens_total` (see RELEASE_13).
 - `/v1/completions` takes a token-id list as `prompt` and answers
-  `usage.prompt_tokens_details.cached_tokens`.
+  `usage.prompt_tokens_details.cached_tokens` (1.2.x and 1.3, openai_protocol.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvconform import envs
 from kvconform.contract import (
     AdapterContext,
     BlockPoolStats,
@@ -45,7 +66,7 @@ from kvconform.contract import (
     EngineConfig,
     ServedPrompt,
 )
-from kvconform.errors import EngineError, KvconformError
+from kvconform.errors import EngineError, KvconformError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot
@@ -55,6 +76,86 @@ C = Capability
 DEFAULT_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 MEDIUM_BY_CACHE_LEVEL = {0: "device", 1: "host"}  # kPrimaryLevel, kSecondaryLevel
 HOST_CACHE_BYTES = 2 * 2**30
+PERF_METRICS_MAX_REQUESTS = 4096  # > 0, or the server keeps no /perf_metrics records
+# Attach mode: the operator says the server's options set perf_metrics_max_requests > 0.
+PERF_METRICS_ENV = "KVCONFORM_TRTLLM_PERF_METRICS"
+
+
+@dataclass(frozen=True)
+class Release:
+    """What one TensorRT-LLM release line serves: the only names this adapter reads there."""
+
+    line: str  # "1.2" or "1.3"
+    # Logical metric -> Prometheus sample name on /prometheus/metrics.
+    metric_names: Mapping[str, str]
+    # /metrics rows carry kvCacheIterationStats (per-window, per-iteration deltas).
+    iteration_kv_stats: bool
+    # kvCacheStats.reusedBlocks/missedBlocks count the warmup requests too.
+    counters_include_warmup: bool
+    # Capability -> why this release cannot back it.
+    gaps: Mapping[Capability, str] = field(default_factory=dict)
+
+
+# 1.2.1: tensorrt_llm/metrics/collector.py (release/1.2 branch) registers exactly five
+# unprefixed metrics (request_success_total{finished_reason}, e2e_request_latency_seconds,
+# time_to_first_token_seconds, time_per_output_token_seconds, request_queue_time_seconds;
+# labels model_name="undefined", engine_type="undefined"): none is a KV-cache metric, so no
+# logical metric maps there. kvCacheStats in /metrics: cpp/tensorrt_llm/executor/jsonSerialization.cpp.
+RELEASE_12 = Release(
+    line="1.2",
+    metric_names={},
+    iteration_kv_stats=False,
+    counters_include_warmup=True,
+    gaps={
+        C.PREFIX_HIT_COUNTERS: (
+            "/prometheus/metrics has no trtllm_prompt_tokens_total or trtllm_prompt_cached_tokens_total "
+            "(added in 1.3.0rc, NVIDIA/TensorRT-LLM #12545, #12636); 1.2 exports only five request metrics"
+        ),
+    },
+)
+
+# 1.3.0rcN (rc29 checked; merged to main Feb-Apr 2026), all in tensorrt_llm/metrics/collector.py:
+#   trtllm_kv_cache_hit_rate, trtllm_kv_cache_utilization                     #11243
+#   trtllm_kv_cache_reused_blocks_total, trtllm_kv_cache_missed_blocks_total  #12132
+#   trtllm_kv_cache_onboard_bytes_total, trtllm_kv_cache_offload_bytes_total  #12413
+#   trtllm_prompt_tokens_total, trtllm_kv_cache_max_blocks/_free_blocks/_used_blocks,
+#   trtllm_gpu_memory_usage_bytes                                            #12545
+#   trtllm_prompt_cached_tokens_total                                        #12636
+# kvCacheIterationStats in /metrics: cpp/tensorrt_llm/executor/jsonSerialization.cpp (#12413).
+RELEASE_13 = Release(
+    line="1.3",
+    metric_names={
+        # per-request token counters, fed from each finished request's metrics
+        "prefix_queries": "trtllm_prompt_tokens_total",  # #12545
+        "prefix_hits": "trtllm_prompt_cached_tokens_total",  # #12636
+        "kv_usage": "trtllm_kv_cache_utilization",  # #11243
+        "blocks_total": "trtllm_kv_cache_max_blocks",  # #12545
+        "offload_store_bytes": "trtllm_kv_cache_offload_bytes_total",  # #12413
+        "offload_load_bytes": "trtllm_kv_cache_onboard_bytes_total",  # #12413
+    },
+    iteration_kv_stats=True,
+    counters_include_warmup=False,  # #12132
+)
+
+RELEASES = {"1.2": RELEASE_12, "1.3": RELEASE_13}
+# Every logical metric some release maps, and the first line that has it (for error messages).
+METRIC_SINCE = {
+    logical: (release.line, name)
+    for release in reversed(RELEASES.values())
+    for logical, name in release.metric_names.items()
+}
+
+
+def release_line(version: str) -> str | None:
+    """'1.2.1' -> '1.2'; '1.3.0rc29' (and anything newer) -> '1.3'; None when unparseable or
+    older than 1.2 (a release this adapter was not written against)."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    if m is None:
+        return None
+    key = (int(m.group(1)), int(m.group(2)))
+    if key < (1, 2):
+        return None
+    return "1.2" if key == (1, 2) else "1.3"
 
 
 def _int(value: Any, what: str) -> int:
@@ -167,7 +268,9 @@ def parse_kv_event(raw: Any, medium_of: dict[str, str]) -> list[KvEvent]:
 
 
 def pool_stats_of(row: dict[str, Any]) -> BlockPoolStats | None:
-    """kvCacheStats of one iteration row (None when the iteration carries none)."""
+    """kvCacheStats of one iteration row (None when the iteration carries none).
+
+    Fields: cpp/tensorrt_llm/executor/jsonSerialization.cpp KvCacheStats (1.2.1 and 1.3)."""
     kv = row.get("kvCacheStats")
     if not isinstance(kv, dict):
         return None
@@ -183,6 +286,35 @@ def pool_stats_of(row: dict[str, Any]) -> BlockPoolStats | None:
         iteration=None if it is None else int(it),
         cumulative=True,
     )
+
+
+def iteration_pool_stats_of(row: dict[str, Any]) -> list[BlockPoolStats]:
+    """kvCacheIterationStats of one 1.3 iteration row: one per-iteration (not cumulative)
+    pool per attention window. Fields: cpp/tensorrt_llm/executor/jsonSerialization.cpp
+    KvCacheIterationStats (1.3.0rc, NVIDIA/TensorRT-LLM #12413); absent in 1.2.1."""
+    windows = row.get("kvCacheIterationStats")
+    if not isinstance(windows, dict):
+        raise KeyError("kvCacheIterationStats")
+    kv = row.get("kvCacheStats") or {}
+    tokens_per_block = _int(kv["tokensPerBlock"], "kvCacheStats.tokensPerBlock")
+    it = row.get("iter")
+    out = []
+    for window in sorted(windows, key=lambda w: int(w)):
+        w = windows[window]
+        out.append(
+            BlockPoolStats(
+                max_blocks=_int(w["primaryMaxNumBlocks"], "primaryMaxNumBlocks"),
+                free_blocks=_int(w["primaryFreeNumBlocks"], "primaryFreeNumBlocks"),
+                used_blocks=_int(w["primaryUsedNumBlocks"], "primaryUsedNumBlocks"),
+                reused_blocks=_int(w["iterReusedBlocks"], "iterReusedBlocks"),
+                missed_blocks=_int(w["iterMissedBlocks"], "iterMissedBlocks"),
+                hit_rate=float(w["iterCacheHitRate"]),
+                tokens_per_block=tokens_per_block,
+                iteration=None if it is None else int(it),
+                cumulative=False,
+            )
+        )
+    return out
 
 
 class DrainingConsumer:
@@ -218,7 +350,7 @@ class DrainingConsumer:
             if not isinstance(events, list):
                 raise EngineError(a.name, f"/kv_cache_events returned {type(events).__name__}, not a list")
             a._ingest_events(events)
-            if a.read_perf_metrics:
+            if a.reads_perf_metrics():
                 perf = a.get_json("/perf_metrics")
                 if not isinstance(perf, list):
                     raise EngineError(a.name, f"/perf_metrics returned {type(perf).__name__}, not a list")
@@ -243,27 +375,19 @@ class TrtllmAdapter(EngineAdapter):
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the adapter reads the real one from kvCacheStats.
     default_block_size = 32
+    # Every capability some release backs; effective_capabilities() keeps those the release
+    # this instance speaks to can back (Release.gaps), less the attach-mode ones.
     capabilities = frozenset(
         {
-            C.PREFIX_CACHE,
-            C.PREFIX_HIT_COUNTERS,
-            C.BLOCK_POOL_STATS,
-            C.KV_EVENTS,
+            C.PREFIX_CACHE,  # usage.prompt_tokens_details.cached_tokens, 1.2.x and 1.3
+            C.PREFIX_HIT_COUNTERS,  # trtllm_prompt_(cached_)tokens_total, 1.3 only
+            C.BLOCK_POOL_STATS,  # /metrics kvCacheStats, 1.2.1 and 1.3
+            C.KV_EVENTS,  # /kv_cache_events, 1.2.1 and 1.3
             C.RESTART,
             C.HOST_MEMORY,
         }
     )
-    metric_names: ClassVar[dict[str, str]] = {
-        # per-request token counters, fed from each finished request's metrics
-        "prefix_queries": "trtllm_prompt_tokens_total",
-        "prefix_hits": "trtllm_prompt_cached_tokens_total",
-        "kv_usage": "trtllm_kv_cache_utilization",
-        "blocks_total": "trtllm_kv_cache_max_blocks",
-        "offload_store_bytes": "trtllm_kv_cache_offload_bytes_total",
-        "offload_load_bytes": "trtllm_kv_cache_onboard_bytes_total",
-    }
     poll_interval_s: ClassVar[float] = float(os.environ.get("KVCONFORM_TRTLLM_POLL_S", "0.25"))
-    read_perf_metrics: ClassVar[bool] = True
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -273,13 +397,98 @@ class TrtllmAdapter(EngineAdapter):
         self._medium_of: dict[str, str] = {}
         self._events_lock = threading.Lock()
         self.event_rows = 0
+        self._attached_version: str | None = None
+        self._options: dict[str, Any] | None = None  # the options file this adapter wrote
 
-    # ---- identity -----------------------------------------------------------------------
+    # ---- identity and release -----------------------------------------------------------
     def attached_version(self) -> str:
+        """GET /version -> {"version": tensorrt_llm.__version__} (openai_server.py version).
+        Asked once per instance (capability skips ask at collection); a failed probe is kept
+        too, until check_reachable() sees the server up."""
+        if self._attached_version is None:
+            try:
+                self._attached_version = str(self.get_json("/version", timeout=5)["version"])
+            except (EngineError, KeyError, TypeError):
+                self._attached_version = "unknown (attached)"
+        return self._attached_version
+
+    def check_reachable(self) -> None:
+        super().check_reachable()
+        if self._attached_version == "unknown (attached)":
+            self._attached_version = None  # ask /version again, now that the server answers
+
+    def target_version(self) -> str:
+        """The release this instance speaks to: the attached server's /version, else the built
+        environment's version, else the version its spec pins (`tensorrt-llm==X`)."""
+        if self.attached:
+            return self.attached_version()
         try:
-            return str(self.get_json("/version", timeout=5).get("version", "unknown"))
-        except (EngineError, AttributeError):
-            return "unknown (attached)"
+            return self.env().version
+        except UsageError:
+            pass
+        try:
+            spec = envs.load_spec(self.ctx.env_name or self.env_spec or self.name)
+        except UsageError:
+            return "unknown"
+        for step in spec.data.get("steps", []):
+            for req in step.get("pip", []):
+                m = re.fullmatch(r"tensorrt[-_]llm==(\S+)", str(req).strip())
+                if m:
+                    return m.group(1)
+        return "unknown"
+
+    def release(self) -> Release:
+        """The release line of target_version(); an unknown or unsupported version reads as
+        1.2, the oldest line this adapter knows (it reads the fewest names)."""
+        return RELEASES[release_line(self.target_version()) or "1.2"]
+
+    def release_label(self) -> str:
+        version = self.target_version()
+        line = release_line(version)
+        if line is None:
+            return f"TensorRT-LLM {version} (not a known release: read as 1.2)"
+        return f"TensorRT-LLM {version}"
+
+    @property  # type: ignore[override]  # per instance: the release decides
+    def metric_names(self) -> dict[str, str]:  # type: ignore[override]
+        return dict(self.release().metric_names)
+
+    def capability_gaps(self) -> dict[Capability, str]:
+        """Capabilities the class offers that this instance's release cannot back, with why
+        (the release named): the skip reason for checks that need them."""
+        label = self.release_label()
+        return {cap: f"{label}: {why}" for cap, why in self.release().gaps.items()}
+
+    def effective_capabilities(self) -> frozenset[Capability]:
+        return super().effective_capabilities() - frozenset(self.release().gaps)
+
+    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        """Only names the release exports; an exported name missing from the scrape is an
+        error naming it, never 0 (trtllm has no lazily created counter this adapter reads)."""
+        name = self.release().metric_names.get(logical)
+        if name is None:
+            since = METRIC_SINCE.get(logical)
+            if since is None:
+                raise NotImplementedError(f"engine {self.name} maps no metric for {logical!r}")
+            raise NotImplementedError(
+                f"engine {self.name}: {self.release_label()} exports no {since[1]} "
+                f"(logical {logical!r}; first in TensorRT-LLM {since[0]})"
+            )
+        if not snapshot.has(name):
+            raise EngineError(
+                self.name,
+                f"/prometheus/metrics lacks {name} (logical {logical!r}), which {self.release_label()} "
+                f"exports (tensorrt_llm/metrics/collector.py); have: {', '.join(snapshot.names()[:12])}",
+            )
+        return snapshot.value(name, **labels)
+
+    def reads_perf_metrics(self) -> bool:
+        """/perf_metrics has records only when perf_metrics_max_requests > 0 (default 0,
+        tensorrt_llm/llmapi/llm_args.py): read it when the options file this adapter wrote
+        sets it, or (attached) when the operator says so with KVCONFORM_TRTLLM_PERF_METRICS=1."""
+        if self.attached:
+            return os.environ.get(PERF_METRICS_ENV, "") not in ("", "0")
+        return bool(self._options and int(self._options.get("perf_metrics_max_requests", 0)) > 0)
 
     def model_name(self) -> str:
         if self._served_model is None:
@@ -311,8 +520,9 @@ class TrtllmAdapter(EngineAdapter):
         if config.offload:
             kv["host_cache_size"] = HOST_CACHE_BYTES
         return {
-            "enable_iter_perf_stats": True,
-            "return_perf_metrics": True,
+            "enable_iter_perf_stats": True,  # GET /metrics iteration stats (default False)
+            "return_perf_metrics": True,  # mounts /prometheus/metrics, keeps per-request metrics
+            "perf_metrics_max_requests": PERF_METRICS_MAX_REQUESTS,  # > 0: /perf_metrics keeps records
             "kv_cache_config": kv,
         }
 
@@ -342,7 +552,8 @@ class TrtllmAdapter(EngineAdapter):
         workdir = self.ctx.workdir
         workdir.mkdir(parents=True, exist_ok=True)
         options = workdir / "trtllm-options.yaml"
-        options.write_text(json.dumps(self.llm_api_options(config), indent=1))
+        self._options = self.llm_api_options(config)
+        options.write_text(json.dumps(self._options, indent=1))
         self.base_url = f"http://127.0.0.1:{port}"
         self._reset_instance_state()
         self.server = LaunchedServer(
@@ -415,6 +626,15 @@ class TrtllmAdapter(EngineAdapter):
 
     def perf_metrics(self) -> list[dict[str, Any]]:
         """Per-request records drained from /perf_metrics, each kept once."""
+        if not self.reads_perf_metrics():
+            raise NotImplementedError(
+                "/perf_metrics keeps records only with perf_metrics_max_requests > 0 (default 0): "
+                + (
+                    f"set it in the attached server's options and {PERF_METRICS_ENV}=1"
+                    if self.attached
+                    else "this instance was not started with it"
+                )
+            )
         self.poll_now()
         return list(self._consumer().perf)
 
@@ -428,6 +648,24 @@ class TrtllmAdapter(EngineAdapter):
                 raise EngineError(self.name, what) from None
             if stats is not None:
                 out.append(stats)
+        return out
+
+    def iteration_pool_stats(self) -> list[BlockPoolStats]:
+        """1.3 only: every iteration's per-window pool and reuse deltas (kvCacheIterationStats,
+        #12413), not cumulative. 1.2.1 has no such field; asking it is NotImplementedError."""
+        release = self.release()
+        if not release.iteration_kv_stats:
+            raise NotImplementedError(
+                f"engine {self.name}: {self.release_label()} serves no kvCacheIterationStats "
+                "in /metrics (added in 1.3.0rc, NVIDIA/TensorRT-LLM #12413)"
+            )
+        out = []
+        for row in self.iteration_stats():
+            try:
+                out.extend(iteration_pool_stats_of(row))
+            except (KeyError, ValueError, TypeError) as exc:
+                what = f"kvCacheIterationStats malformed or absent in iteration {row.get('iter')}: {exc}"
+                raise EngineError(self.name, f"{what} ({self.release_label()} serves it)") from None
         return out
 
     def block_size(self) -> int:
