@@ -27,7 +27,10 @@ class Sample:
 
 @dataclass
 class MetricSnapshot:
-    """All samples of one scrape, by sample name (counters keep their `_total` suffix)."""
+    """All samples of one scrape, by the sample name the engine exposed. (prometheus_client's
+    parser names every counter sample `<family>_total`; an engine that exposes a counter without
+    the suffix, as Rust's prometheus crate does, keeps its own name here, so a check can never
+    read a name the engine does not have.)"""
 
     taken_at: float
     samples: dict[str, dict[LabelSet, float]] = field(default_factory=dict)
@@ -81,10 +84,23 @@ def parse_prometheus(text: str, engine: str = "?", source: str = "/metrics") -> 
         raise EngineError(
             engine, f"{source} is not Prometheus text ({type(exc).__name__}: {exc}); starts with {first}"
         ) from None
+    exposed = _exposed_names(text)
+    for name in [n for n in snapshot.samples if n.endswith("_total") and n not in exposed]:
+        if name.removesuffix("_total") in exposed:
+            snapshot.samples[name.removesuffix("_total")] = snapshot.samples.pop(name)
     has_sample_lines = any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines())
     if has_sample_lines and not snapshot.samples:
         raise EngineError(engine, f"{source} has no samples; starts with {text.strip()[:120]!r}")
     return snapshot
+
+
+def _exposed_names(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            names.add(line.split("{", 1)[0].split(" ", 1)[0])
+    return names
 
 
 def snapshot_from_values(values: Mapping[str, float]) -> MetricSnapshot:

@@ -222,8 +222,10 @@ class EngineAdapter(ABC):
         """(tokens the router predicted cached, what the worker then reported)."""
         raise NotImplementedError
 
-    def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
-        """KV events the router failed to apply, by status (None: the engine does not say)."""
+    def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
+        """KV events the router applied between two snapshots, by status ("ok" and each way of
+        failing); None: the engine does not say. An engine that says must export the metric:
+        absent after routed traffic is an EngineError naming it, never zero events."""
         return None
 
     def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:

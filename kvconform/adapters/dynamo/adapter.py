@@ -64,7 +64,10 @@ class DynamoAdapter(EngineAdapter):
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
         "prefix_hits": "dynamo_frontend_cached_tokens_sum",
-        "router_events_applied": "dynamo_component_kv_cache_events_applied_total",
+        # IntCounterVec "kv_cache_events_applied" {event_type, status} of the KV router's indexer
+        # (lib/kv-router/src/indexer/metrics.rs, 1.6.1); the runtime prefixes dynamo_component_
+        # and, being Rust's prometheus crate, adds no _total (none in 1.6.1's _core.abi3.so).
+        "router_events_applied": "dynamo_component_kv_cache_events_applied",
         "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
     }
 
@@ -272,16 +275,16 @@ class DynamoAdapter(EngineAdapter):
         block = self.block_size()
         return round(float(rate) * math.ceil(len(tokens) / block)) * block, served
 
-    def router_event_errors(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
-        """KV events the router applied with a status other than ok, by status."""
+    def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
+        """KV events the router applied since `before`, by status (ok, parent_block_not_found,
+        block_not_found, invalid_block, ...: lib/kv-router/src/indexer/metrics.rs)."""
         name = self.metric_names["router_events_applied"]
-        statuses = {labels.get("status", "?") for labels in after.labels_of(name)}
-        out = {}
-        for status in sorted(statuses - {"ok"}):
-            delta = after.value(name, 0.0, status=status) - before.value(name, 0.0, status=status)
-            if delta:
-                out[status] = delta
-        return out
+        if not after.has(name):
+            raise EngineError(
+                self.name, f"metric {name} is absent from the frontend's /metrics after routed requests"
+            )
+        statuses = sorted({labels.get("status", "?") for labels in after.labels_of(name)})
+        return {s: after.value(name, status=s) - before.value(name, 0.0, status=s) for s in statuses}
 
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")
