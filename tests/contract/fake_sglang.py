@@ -11,6 +11,12 @@ Faults (`mode`): "partial_loss" reports 0 cached tokens whenever the cached pref
 before the prompt's last full page (hits lost to page granularity, vllm-ascend #12589 style);
 "bos" counts one more prompt token than the input_ids sent; "no_cached" leaves
 meta_info.cached_tokens out. `busy_flushes` makes that many /flush_cache calls answer 400.
+
+Shape switches: `enable_metrics=False` is a server without --enable-metrics (no /metrics);
+`storage_backend="HiCacheFile"` (or any backend class name) is HiCache storage on, adding
+"storage" and the backend's name to cached_tokens_details; `cache_details=False` is a path
+that reports no cached_tokens_details, so sglang:cached_tokens_total falls back to
+cache_source="total".
 """
 
 from __future__ import annotations
@@ -28,14 +34,27 @@ from tests.contract.fakes import FakeServer, Reply, block_hash
 
 VERSION = "0.5.23+contract-fake"  # never mistaken for a real SGLang in a results file
 MODEL = "tiny"
+CACHE_TYPE = "UnifiedRadixCache"  # RadixCacheMetricsCollector's cache_type: the cache class name
 
 
 class FakeSglang(FakeServer):
     def __init__(
-        self, page_size: int = 32, max_total_tokens: int = 4096, mode: str = "", legacy: bool = False
+        self,
+        page_size: int = 32,
+        max_total_tokens: int = 4096,
+        mode: str = "",
+        legacy: bool = False,
+        *,
+        enable_metrics: bool = True,
+        storage_backend: str | None = None,
+        cache_details: bool = True,
     ) -> None:
         super().__init__()
         self.page_size, self.capacity, self.mode = page_size, max_total_tokens, mode
+        self.enable_metrics = enable_metrics
+        self.storage_backend = storage_backend
+        self.cache_details = cache_details
+        self.cached_by_source: dict[str, int] = {}  # sglang:cached_tokens_total{cache_source}
         self.pages: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.busy_flushes = 0
         self.flushes = 0
@@ -51,7 +70,8 @@ class FakeSglang(FakeServer):
         self.route("POST", "/generate", self._generate)
         self.route("POST", "/flush_cache", self._flush)
         self.route("GET", "/flush_cache", self._flush)
-        self.route("GET", "/metrics", self._metrics)
+        if enable_metrics:  # http_server.py mounts /metrics only with --enable-metrics
+            self.route("GET", "/metrics", self._metrics)
 
     # srt/entrypoints/http_server.py model_info()
     def _model_info(self) -> dict[str, Any]:
@@ -89,7 +109,7 @@ class FakeSglang(FakeServer):
             "max_total_tokens": self.capacity,
             "mem_fraction_static": 0.8,
             "disable_radix_cache": False,
-            "enable_metrics": True,
+            "enable_metrics": self.enable_metrics,
             "enable_cache_report": False,
             "kv_events_config": None,
             "tp_size": 1,
@@ -99,7 +119,8 @@ class FakeSglang(FakeServer):
         }
         return {
             **args,
-            "launch_command": "python -m sglang.launch_server --model-path /models/tiny --enable-metrics",
+            "launch_command": "python -m sglang.launch_server --model-path /models/tiny"
+            + (" --enable-metrics" if self.enable_metrics else ""),
             "status": "ready",
             "max_total_num_tokens": self.capacity,
             "max_req_input_len": self.capacity - 1,
@@ -139,8 +160,11 @@ class FakeSglang(FakeServer):
 
     # srt/managers/tokenizer_manager.py _handle_batch_output: out_dict = {text, output_ids,
     # meta_info}; meta_info from id/finish_reason/prompt_tokens/weight_version/num_retractions,
-    # then reasoning_tokens/completion_tokens/cached_tokens, cached_tokens_details when any
-    # token was cached (scheduler_components/output_streamer.py get_cached_tokens_details).
+    # then reasoning_tokens/completion_tokens/cached_tokens, cached_tokens_details
+    # (scheduler_components/output_streamer.py get_cached_tokens_details; io_struct.py types it
+    # Dict[str, int | str]): {"device", "host"} when any token was cached, plus "storage" (int)
+    # and "storage_backend" (the backend class name, a string) with HiCache storage on; the
+    # key is present as null when nothing was cached.
     def _generate(self, q: dict, body: Any, h: dict) -> Reply:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list):
             return 400, {"error": "Either text or input_ids should be provided."}, {}
@@ -167,8 +191,18 @@ class FakeSglang(FakeServer):
             "cached_tokens": cached,
             "e2e_latency": 0.004,
         }
+        details: dict[str, int | str] | None = None
+        if cached and self.cache_details:
+            details = {"device": cached, "host": 0}
+            if self.storage_backend is not None:
+                details.update(storage=0, storage_backend=self.storage_backend)
+        meta["cached_tokens_details"] = details
         if cached:
-            meta["cached_tokens_details"] = {"device": cached, "host": 0}
+            # metrics_collector.py: per request with cached_tokens > 0, each int source of the
+            # details is counted under its cache_source; without details, all under "total".
+            sources = {k: v for k, v in (details or {"total": cached}).items() if isinstance(v, int)}
+            for source, tokens in sources.items():
+                self.cached_by_source[source] = self.cached_by_source.get(source, 0) + tokens
         if self.mode == "no_cached":
             del meta["cached_tokens"]
         output = [17 + i % 5 for i in range(n_out)]
@@ -186,7 +220,17 @@ class FakeSglang(FakeServer):
 
     # srt/entrypoints/http_server.py flush_cache: 200 with this text, or 400 with the
     # scheduler's message (scheduler_components/flush_wrapper.py) when not idle.
+    # A negative ?timeout= fails FastAPI's validation (422) before the handler runs.
     def _flush(self, q: dict, body: Any, h: dict) -> Reply:
+        timeout = (q.get("timeout") or [None])[0]
+        if timeout is not None:
+            try:
+                bad = float(timeout) < 0
+            except ValueError:
+                bad = True
+            if bad:
+                detail = [{"type": "greater_than_equal", "loc": ["query", "timeout"], "input": timeout}]
+                return 422, {"detail": detail}, {}
         self.flushes += 1
         if self.busy_flushes > 0:
             self.busy_flushes -= 1
@@ -200,10 +244,13 @@ class FakeSglang(FakeServer):
 
     # srt/observability/metrics_collector.py: TokenizerMetricsCollector labels model_name and
     # engine_type (+ is_streaming, cache_source); SchedulerMetricsCollector adds tp_rank,
-    # pp_rank, moe_ep_rank. A labelled counter has no sample until its first inc().
+    # pp_rank, moe_ep_rank; RadixCacheMetricsCollector (evicted tokens) labels cache_type (the
+    # cache class name), tp_rank, pp_rank, dp_rank only. A labelled counter has no sample
+    # until its first inc().
     def _metrics(self, q: dict, b: Any, h: dict) -> Reply:
         tok = f'engine_type="unified",model_name="{MODEL}"'
         sched = f'engine_type="unified",model_name="{MODEL}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+        radix = f'cache_type="{CACHE_TYPE}",dp_rank="0",pp_rank="0",tp_rank="0"'
         lines = [
             "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE sglang:prompt_tokens_total counter",
@@ -221,10 +268,8 @@ class FakeSglang(FakeServer):
             " (device/host/storage).",
             "# TYPE sglang:cached_tokens_total counter",
         ]
-        if self.cached_tokens:
-            lines.append(
-                f'sglang:cached_tokens_total{{cache_source="device",{tok}}} {float(self.cached_tokens)}'
-            )
+        for source, tokens in self.cached_by_source.items():
+            lines.append(f'sglang:cached_tokens_total{{cache_source="{source}",{tok}}} {float(tokens)}')
         lines += [
             "# HELP sglang:num_requests_total Number of requests processed.",
             "# TYPE sglang:num_requests_total counter",
@@ -248,7 +293,7 @@ class FakeSglang(FakeServer):
             "# TYPE sglang:evicted_tokens_total counter",
         ]
         if self.evicted_tokens:
-            lines.append(f"sglang:evicted_tokens_total{{{sched}}} {float(self.evicted_tokens)}")
+            lines.append(f"sglang:evicted_tokens_total{{{radix}}} {float(self.evicted_tokens)}")
         return 200, "\n".join(lines) + "\n", {}
 
 
