@@ -462,8 +462,9 @@ def test_block_reuse_checks_read_counters_only_where_the_release_has_them(
         ("hit_rate", "iterations_hit_rate_not_reused_over_lookups"),
     ],
 )
-def test_pool_stats_check_fails_with_numbers(tmp_path: Path, mode: str, violated: str) -> None:
-    fake = FakeTrtllm(mode=mode)
+@pytest.mark.parametrize("release", RELEASES)
+def test_pool_stats_check_fails_with_numbers(tmp_path: Path, mode: str, violated: str, release: str) -> None:
+    fake = FakeTrtllm(release, mode=mode)
     try:
         run = run_suite(fake.url, tmp_path, POOL_CHECK)
     finally:
