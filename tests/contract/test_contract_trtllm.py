@@ -425,7 +425,7 @@ REUSE_CHECK = "kvconform/suites/prefix_reuse/test_block_reuse.py"
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_pool_stats_check_passes_on_consistent_engine(tmp_path: Path, release: str) -> None:
-    fake = FakeTrtllm(release)
+    fake = FakeTrtllm(release, tokens_per_block=32)  # the block size the check asks for
     try:
         run = run_suite(fake.url, tmp_path, POOL_CHECK)
     finally:
