@@ -14,13 +14,28 @@ class FakeOmlx(FakeServer):
 
     restart() is a new server life: session counters start at 0, all-time counters and the
     SSD tier survive. All-time counters start large, so reading the wrong scope shows.
+
+    As current oMLX (0.7.x; flyto-mlx 0.7.0 measured on Linux): usage carries
+    prompt_tokens_details.cached_tokens; an exact block-aligned hit is served from N-1 tokens
+    (the cache is trimmed by one token to recompute the last); POST /admin/api/login answers
+    400 when the server has no API key, and then the admin routes answer 401 unless its
+    settings skip API key verification (the default here when no key is given, as on a Mac
+    set up that way). `legacy=True` is a build before oMLX #922: usage.cached_tokens only, no
+    /admin/api/hot-cache/clear (404) and no runtime_cache.hot_cache_* keys.
     """
 
     ALLTIME_SEED = 1_000_000
 
-    def __init__(self, block_size: int = 16, api_key: str = "") -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        api_key: str = "",
+        skip_verification: bool | None = None,
+        legacy: bool = False,
+    ) -> None:
         super().__init__()
-        self.block_size, self.api_key = block_size, api_key
+        self.block_size, self.api_key, self.legacy = block_size, api_key, legacy
+        self.skip_verification = not api_key if skip_verification is None else skip_verification
         self.ssd: set[int] = set()
         self.session = self._zero()
         self.alltime = {k: self.ALLTIME_SEED for k in self.session}
@@ -33,7 +48,8 @@ class FakeOmlx(FakeServer):
         self.route("POST", "/admin/api/login", self._login)
         self.route("GET", "/admin/api/stats", self._admin(self._stats))
         self.route("POST", "/admin/api/ssd-cache/clear", self._admin(self._clear_ssd))
-        self.route("POST", "/admin/api/hot-cache/clear", self._admin(self._clear_hot))
+        if not legacy:
+            self.route("POST", "/admin/api/hot-cache/clear", self._admin(self._clear_hot))
         self.route("POST", "/admin/api/cache/probe", self._admin(self._probe))
 
     @staticmethod
@@ -54,20 +70,25 @@ class FakeOmlx(FakeServer):
     def _guard(self, fn: Callable[[dict, Any, dict], Reply]) -> Callable[[dict, Any, dict], Reply]:
         def wrapped(q: dict, b: Any, h: dict) -> Reply:
             if self.api_key and h.get("Authorization") != f"Bearer {self.api_key}":
-                return 401, {"detail": "API key required"}, {}
+                error = {"message": "API key required", "type": "authentication_error"}
+                return 401, {"error": {**error, "param": None, "code": None}}, {}
             return fn(q, b, h)
 
         return wrapped
 
     def _admin(self, fn: Callable[[dict, Any, dict], Reply]) -> Callable[[dict, Any, dict], Reply]:
         def wrapped(q: dict, b: Any, h: dict) -> Reply:
-            if self.api_key and f"omlx_admin_session={self.cookie}" not in h.get("Cookie", ""):
+            if self.skip_verification:
+                return fn(q, b, h)
+            if not self.api_key or f"omlx_admin_session={self.cookie}" not in h.get("Cookie", ""):
                 return 401, {"detail": "Admin authentication required"}, {"WWW-Authenticate": "Cookie"}
             return fn(q, b, h)
 
         return wrapped
 
     def _login(self, q: dict, body: Any, h: dict) -> Reply:
+        if not self.api_key:
+            return 400, {"detail": "No API key configured. Please set up an API key first."}, {}
         if not body or body.get("api_key") != self.api_key:
             return 401, {"detail": "Invalid API key"}, {}
         return 200, {"success": True}, {"Set-Cookie": f"omlx_admin_session={self.cookie}; HttpOnly; Path=/"}
@@ -119,7 +140,7 @@ class FakeOmlx(FakeServer):
         )
 
     def _runtime_cache(self) -> dict[str, Any]:
-        return {
+        runtime: dict[str, Any] = {
             "base_path": "/Users/ci/.omlx",
             "ssd_cache_dir": "/Users/ci/.omlx/cache",
             "response_state_dir": "/Users/ci/.omlx/cache/response-state",
@@ -128,10 +149,10 @@ class FakeOmlx(FakeServer):
             "total_size_bytes": len(self.ssd) * 4096,
             "effective_block_sizes": [self.block_size],
             "disk_max_bytes": 4 * 2**30,
-            "hot_cache_max_bytes": 0,
-            "hot_cache_size_bytes": 0,
-            "hot_cache_entries": 0,
         }
+        if not self.legacy:
+            runtime.update(hot_cache_max_bytes=0, hot_cache_size_bytes=0, hot_cache_entries=0)
+        return runtime
 
     def _stats(self, q: dict, b: Any, h: dict) -> Reply:
         scope = (q.get("scope") or ["session"])[0]
@@ -196,14 +217,14 @@ class FakeOmlx(FakeServer):
             return 422, {"detail": "prompt must be a string"}, {}
         tokens = prompt.split()
         hashes = self._blocks(tokens)
-        usable = (len(tokens) - 1) // self.block_size
         hits = 0
-        for x in hashes[:usable]:
+        for x in hashes:
             if x not in self.ssd:
                 break
             hits += 1
         self.ssd.update(hashes)
-        cached = hits * self.block_size
+        # an exact hit (every token in cached blocks) is trimmed by one: the last is recomputed
+        cached = min(hits * self.block_size, len(tokens) - 1)
         for c in (self.session, self.alltime):
             c["prompt"] += len(tokens)
             c["completion"] += 1
@@ -215,9 +236,12 @@ class FakeOmlx(FakeServer):
             "total_tokens": len(tokens) + 1,
             "input_tokens": len(tokens),
             "output_tokens": 1,
-            "cached_tokens": cached,
-            "time_to_first_token": 0.01,
+            "total_time": 0.01,
         }
+        if self.legacy:
+            usage["cached_tokens"] = cached
+        else:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return (
             200,
             {

@@ -1,51 +1,79 @@
-"""oMLX (Apple Silicon only): attach to `omlx serve` on a Mac, or launch it where `omlx` is on
-PATH. Endpoints and fields as in the oMLX source (jundot/omlx):
+"""oMLX: a real `omlx serve`, launched here on Linux CPU (MLX's CPU backend) from the `omlx`
+environment, or attached to (`--engine-url`) on a Mac.
 
-- omlx/server.py: `GET /health` -> {"status": "healthy", ...}; `GET /api/status` (Bearer API key
-  when one is configured) -> total_prompt_tokens, total_cached_tokens, cache_efficiency (percent),
-  model_memory_used, version... from the *session* metrics snapshot.
-- omlx/admin/routes.py (router mounted under /admin, session cookie `omlx_admin_session` from
-  `POST /admin/api/login {"api_key": ...}` unless skip_api_key_verification):
-  `GET /admin/api/stats?scope=session|alltime` (snapshot + runtime_cache),
-  `POST /admin/api/ssd-cache/clear` -> {"status": "ok", "total_deleted": n, ...},
-  `POST /admin/api/hot-cache/clear`, `POST /admin/api/cache/probe {"model_id", "messages"}`.
-- omlx/server_metrics.py: session counters reset at server start; all-time counters persist
-  across restarts in a JSON file. This adapter only ever reads scope=session: all-time numbers
-  would mix earlier server lives into a check's deltas.
-- omlx/api/openai_models.py: `/v1/completions` takes `prompt: str | list[str]` (no token ids)
-  and answers `usage.cached_tokens` (an oMLX extension; newer builds may also send
-  usage.prompt_tokens_details.cached_tokens).
-- omlx/cli.py: `omlx serve --model-dir --host --port --base-path --paged-ssd-cache-dir
-  --paged-ssd-cache-max-size --hot-cache-max-size --api-key`. The SSD tier keeps
-  `<ssd dir>/<0-f>/*.safetensors` and is meant to survive restarts.
+Launch mode runs oMLX code as distributed by flyto-mlx 0.7.0 (a fork of jundot/omlx; see
+envs/omlx.toml): the adapter's version reads "flyto-mlx 0.7.0", so findings name the
+distribution measured. Attached, the version is the server's own ("omlx 0.7.1").
 
-Token ids travel as words "w<id>": exact block accounting needs a word-level tokenizer model
-(one word = one token, as kvconform's tiny models have); the adapter refuses to report numbers
+Endpoints and fields as in the oMLX source (omlx/server.py, omlx/admin/routes.py):
+
+- `GET /health`; `GET /api/status` (Bearer API key) -> total_prompt_tokens,
+  total_cached_tokens, model_memory_used, version... from the *session* metrics.
+- Admin router under /admin, session cookie `omlx_admin_session` from
+  `POST /admin/api/login {"api_key": ...}`. Without an API key on the server, login answers
+  400 and the admin routes 401 (unless its settings skip verification), so launch mode
+  always starts the server with a freshly generated key and logs in. The key is never
+  logged or recorded; oMLX itself writes it into <base>/settings.json, which this adapter
+  redacts once the server has read it and again after it stopped.
+  `GET /admin/api/stats?scope=session` (snapshot + runtime_cache), `POST
+  /admin/api/ssd-cache/clear`, `POST /admin/api/hot-cache/clear` (newer builds only; older
+  ones answer 404), `POST /admin/api/cache/probe`.
+- omlx/server_metrics.py: session counters restart with each server life; all-time ones
+  persist across restarts. Only scope=session is read.
+- `/v1/completions` takes a string prompt and reports
+  usage.prompt_tokens_details.cached_tokens (builds before oMLX #922: usage.cached_tokens).
+- The paged SSD tier keeps `<ssd dir>/<0-f>/<hash>.safetensors`, one file per 256-token
+  block (SchedulerConfig.paged_cache_block_size, fixed: the server has no option for it), and
+  survives restarts (SIGTERM flushes pending writes). The in-memory paged cache holds block
+  metadata only; KV of finished requests lives on SSD (plus the hot cache, off here).
+
+Token ids travel as words "w<id>": exact block accounting needs a word-level tokenizer (the
+tiny model written by drivers/make_tiny_mlx_model.py); the adapter refuses to report numbers
 when the engine counts another number of prompt tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import secrets
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import requests
 
-from kvconform.contract import AdapterContext, Capability, EngineAdapter, EngineConfig, ServedPrompt
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+)
+from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.processes import TeardownReport, free_port
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
 
 C = Capability
 WORD = re.compile(r"w(\d+)")
 ADMIN = "/admin/api"
 SESSION_COOKIE = "omlx_admin_session"
 STATS_SCOPE = "session"  # never "alltime": all-time counters persist across restarts
+MODEL_NAME = "tiny"  # the model folder's name is oMLX's model id
+BLOCK_SIZE = 256  # omlx SchedulerConfig.paged_cache_block_size; no server option sets it
+# The SSD tier's size, as launched: 64 blocks of the tiny model (128 KiB each), so a few dozen
+# prompts fill it and LRU eviction is driven (FORCED_EVICTION).
+SSD_CACHE_BYTES = 8 * 2**20
+HOT_CACHE_BYTES = 0  # the in-memory copy of SSD blocks: off, so blocks reach disk at once
 SNAPSHOT_KEYS = (
     "total_prompt_tokens",
     "total_cached_tokens",
@@ -62,6 +90,7 @@ RUNTIME_CACHE_KEYS = (
     "hot_cache_max_bytes",
     "hot_cache_entries",
 )
+SECRET_SETTINGS = ("api_key", "secret_key")  # in settings.json "auth"; redacted on disk
 
 
 def words(tokens: list[int]) -> str:
@@ -74,19 +103,30 @@ def token_ids(text: str) -> list[int]:
 
 class OmlxAdapter(EngineAdapter):
     name = "omlx"
-    env_spec = None  # a Mac install (`omlx` on PATH or the app), not a kvconform-built env
-    default_block_size = 256  # omlx SchedulerConfig.paged_cache_block_size; read back when served
+    env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
+    default_block_size = BLOCK_SIZE
     recomputes_last_token = True
+    # An exact block-aligned hit is served from N-1 tokens: oMLX trims the reconstructed cache
+    # by one token to compute the last (omlx/scheduler.py, _trim_prompt_cache_for_generation),
+    # where a block-granular cache drops the whole last block. Read by the oracle once the
+    # harness knows this rule (proposed with issue #13); until then the aligned check fails.
+    trims_last_token = True
+    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.RESET_PREFIX_CACHE,
             C.RESTART,
             C.PERSISTENT_PREFIX,
             C.CORRUPT_PERSISTED,
+            C.FORCED_EVICTION,
             C.HOST_MEMORY,
+            C.LONG_SESSION,
         }
     )
+    # Attached, the SSD tier's size is not ours to know: eviction needs launch mode.
+    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {C.FORCED_EVICTION}
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "omlx_total_prompt_tokens",
         "prefix_hits": "omlx_total_cached_tokens",
@@ -96,10 +136,17 @@ class OmlxAdapter(EngineAdapter):
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.server: LaunchedServer | None = None
-        self.api_key = os.environ.get("KVCONFORM_OMLX_API_KEY", "")
+        key = os.environ.get("KVCONFORM_OMLX_API_KEY", "")
+        # Launched, the server gets a key of its own (its admin API needs one).
+        self.api_key = key if key or self.attached else "kvc-" + secrets.token_urlsafe(24)
         self._model: str | None = os.environ.get("KVCONFORM_OMLX_MODEL") or None
-        self._block_size: int | None = None
+        self._attached_block: int | None = None
         self._admin_cookie: str | None = None
+        self._model_dir: Path | None = None
+        self._served_version: str | None = None
+
+    def __repr__(self) -> str:  # never show the key
+        return f"<OmlxAdapter {'attached ' + str(self.ctx.url) if self.attached else 'launched'}>"
 
     def _headers(self) -> dict[str, str]:
         """Sent on every request (HTTP sessions may be per thread, so nothing lives in one)."""
@@ -115,25 +162,34 @@ class OmlxAdapter(EngineAdapter):
         return super()._request(method, path, timeout=timeout, **kw)
 
     # ---- identity -----------------------------------------------------------------------
+    def _built_env(self) -> BuiltEnv | None:
+        try:
+            return self.env()
+        except UsageError:
+            return None
+
     @property
     def version(self) -> str:
-        if self.attached or self.server is not None:
+        if self.attached:
             return self.attached_version()
-        return "not started"
+        env = self._built_env()
+        if env is not None:
+            return env.version  # "flyto-mlx 0.7.0": the distribution of the oMLX code
+        return self._served_version or "not started"
 
     def attached_version(self) -> str:
         try:
-            return str(self.get_json("/api/status", timeout=5).get("version", "unknown"))
+            return f"omlx {self.get_json('/api/status', timeout=5).get('version', 'unknown')}"
         except (EngineError, AttributeError):
             return "unknown (attached)"
 
     def preflight(self) -> None:
         if self.attached:
             self.check_reachable()
-        elif shutil.which("omlx") is None:
+        elif self._built_env() is None and shutil.which("omlx") is None:
             raise UsageError(
-                "engine omlx: `omlx` is not on PATH (oMLX runs on Apple Silicon only); "
-                "start `omlx serve` on a Mac and attach with --engine-url"
+                "engine omlx: the omlx environment is not built (kvconform env build omlx) and "
+                "`omlx` is not on PATH; or start `omlx serve` on a Mac and attach with --engine-url"
             )
 
     def model_name(self) -> str:
@@ -146,78 +202,132 @@ class OmlxAdapter(EngineAdapter):
         return self._model
 
     # ---- lifecycle (launch mode) --------------------------------------------------------
+    def base_dir(self) -> Path:
+        """oMLX's --base-path (settings, logs, caches): always in the work dir, never ~/.omlx."""
+        return self.ctx.workdir / "base"
+
     def ssd_dir(self) -> Path:
-        return self.ctx.workdir / "ssd-cache"
+        # oMLX's own default place for the SSD tier under the base path: the admin clear's
+        # fallback (files of models not loaded) and the runtime_cache report point there too.
+        return self.base_dir() / "cache"
+
+    def omlx_program(self) -> str:
+        env = self._built_env()
+        if env is not None:
+            return str(env.bin("omlx"))
+        found = shutil.which("omlx")
+        if found is None:
+            raise UsageError("engine omlx: build the omlx environment (kvconform env build omlx)")
+        return found
+
+    def model_dir(self) -> Path:
+        """A folder of model folders (--model-dir): $KVCONFORM_OMLX_MODEL_DIR, else the tiny
+        random-weight MLX model, written once per work dir with the environment's python."""
+        if self._model_dir is None:
+            given = os.environ.get("KVCONFORM_OMLX_MODEL_DIR")
+            if given:
+                self._model_dir = Path(given)
+                return self._model_dir
+            env = self._built_env()
+            if env is None:
+                raise UsageError(
+                    "engine omlx: `omlx` on PATH needs KVCONFORM_OMLX_MODEL_DIR (a folder of model "
+                    "folders with a word-level tokenizer), or build the env: kvconform env build omlx"
+                )
+            root = self.ctx.workdir / "models"
+            out = root / MODEL_NAME
+            if not (out / "model.safetensors").exists():
+                argv = [
+                    str(env.python),
+                    str(DRIVERS / "make_tiny_mlx_model.py"),
+                    str(out),
+                    *("--layers", str(self.model.layers)),
+                    *("--heads", str(self.model.kv_heads)),
+                    *("--kv-heads", str(self.model.kv_heads)),
+                    *("--head-dim", str(self.model.head_dim)),
+                ]
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    raise EngineError(self.name, "writing the tiny MLX model failed", done.stderr[-2000:])
+            self._model = MODEL_NAME
+            self._model_dir = root
+        return self._model_dir
 
     def server_argv(self, port: int) -> list[str]:
-        model_dir = os.environ.get("KVCONFORM_OMLX_MODEL_DIR")
-        if not model_dir:
-            raise UsageError("engine omlx: set KVCONFORM_OMLX_MODEL_DIR (a folder of model folders)")
-        argv = [
-            shutil.which("omlx") or "omlx",
+        return [
+            self.omlx_program(),
             "serve",
-            "--model-dir",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--base-path",
-            str(self.ctx.workdir / "base"),
-            "--paged-ssd-cache-dir",
-            str(self.ssd_dir()),
-            "--paged-ssd-cache-max-size",
-            "4GB",
+            *("--model-dir", str(self.model_dir())),
+            *("--host", "127.0.0.1"),
+            *("--port", str(port)),
+            *("--base-path", str(self.base_dir())),
+            *("--paged-ssd-cache-dir", str(self.ssd_dir())),
+            *("--paged-ssd-cache-max-size", str(SSD_CACHE_BYTES)),
+            *("--hot-cache-max-size", str(HOT_CACHE_BYTES)),
+            *("--api-key", self.api_key),
         ]
-        if self.api_key:
-            argv += ["--api-key", self.api_key]
-        return argv
 
     def start(self, config: EngineConfig) -> None:
-        if config.offload or config.block_size not in (None, self.default_block_size):
-            raise NotImplementedError("oMLX runs at its own block size, without a host offload tier")
+        if config.offload or config.disaggregated:
+            raise NotImplementedError("oMLX has no host offload tier or disaggregated serving")
+        if config.block_size not in (None, BLOCK_SIZE):
+            raise NotImplementedError(f"oMLX runs at its fixed block size {BLOCK_SIZE}")
         if not config.persistent and self.ssd_dir().exists():
-            shutil.rmtree(self.ssd_dir())
+            shutil.rmtree(self.ssd_dir())  # a fresh server life starts with an empty tier
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         self._admin_cookie = None
-        self.server = LaunchedServer(
-            self.name,
-            "omlx-serve",
-            self.server_argv(port),
-            self.ctx.workdir,
-            self.url("/health"),
-            timeout_s=self.ctx.start_timeout_s,
-            session=self.http,
-        )
+        argv = self.server_argv(port)
+        try:
+            self.server = LaunchedServer(
+                self.name,
+                "omlx-serve",
+                argv,
+                self.ctx.workdir,
+                self.url("/health"),
+                env={"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"},
+                timeout_s=self.ctx.start_timeout_s,
+                session=self.http,
+            )
+        finally:
+            self.redact_settings()
         self.config = config
+        self.login()
+        with contextlib.suppress(EngineError):
+            self._served_version = f"omlx {self.get_json('/api/status', timeout=5).get('version')}"
 
     def stop(self) -> list[TeardownReport]:
         reports = []
         if self.server is not None:
             reports.append(self.server.stop())
             self.server = None
+            self.redact_settings()
+        self._admin_cookie = None
         self.config = None
         return reports
 
     def running(self) -> bool:
         return self.server is not None and self.server.process.alive()
 
+    def redact_settings(self) -> None:
+        """oMLX writes its API key (and cookie secret) into <base>/settings.json; the work dir
+        is kept with the results, so the secrets are blanked once the server has read them."""
+        path = self.base_dir() / "settings.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        auth = data.get("auth") if isinstance(data, dict) else None
+        if isinstance(auth, dict) and any(auth.get(k) for k in SECRET_SETTINGS):
+            for key in SECRET_SETTINGS:
+                auth.pop(key, None)
+            path.write_text(json.dumps(data, indent=2))
+
     # ---- admin API ----------------------------------------------------------------------
     def _admin(self, method: str, path: str, body: Any = None) -> Any:
         """An admin call; logs in with the API key on the first 401."""
         for attempt in range(2):
-            try:
-                resp = self.http.request(
-                    method,
-                    self.url(ADMIN + path),
-                    json=body,
-                    headers=self._headers(),
-                    timeout=self.ctx.request_timeout_s,
-                )
-            except requests.RequestException as exc:
-                what = f"{method} {ADMIN}{path} failed: {exc}"
-                raise EngineError(self.name, what, self.log_tail()) from None
+            resp = self._admin_request(method, path, body)
             if resp.status_code == 401 and attempt == 0 and self.api_key:
                 self.login()
                 continue
@@ -233,8 +343,36 @@ class OmlxAdapter(EngineAdapter):
             return self._json(resp, ADMIN + path)
         raise AssertionError("unreachable")
 
+    def _admin_request(self, method: str, path: str, body: Any = None) -> requests.Response:
+        try:
+            return self.http.request(
+                method,
+                self.url(ADMIN + path),
+                json=body,
+                headers=self._headers(),
+                timeout=self.ctx.request_timeout_s,
+            )
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"{method} {ADMIN}{path} failed: {exc}", self.log_tail()) from None
+
     def login(self) -> None:
-        resp = self._request("POST", ADMIN + "/login", json={"api_key": self.api_key, "remember": False})
+        try:
+            resp = self.http.post(
+                self.url(ADMIN + "/login"),
+                json={"api_key": self.api_key, "remember": False},
+                timeout=self.ctx.request_timeout_s,
+            )
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"POST {ADMIN}/login failed: {exc}", self.log_tail()) from None
+        if resp.status_code == 400:
+            raise EngineError(
+                self.name,
+                f"POST {ADMIN}/login -> HTTP 400: the server has no API key, so its admin API "
+                "(stats, cache clear, probe) is closed; start it with --api-key",
+            )
+        if resp.status_code >= 400:
+            # never echo the request: it carries the key
+            raise EngineError(self.name, f"POST {ADMIN}/login -> HTTP {resp.status_code}")
         cookie = resp.cookies.get(SESSION_COOKIE)
         if not cookie:
             raise EngineError(self.name, f"{ADMIN}/login set no {SESSION_COOKIE} cookie")
@@ -244,6 +382,7 @@ class OmlxAdapter(EngineAdapter):
         data = self._admin("GET", f"/stats?scope={STATS_SCOPE}")
         if not isinstance(data, dict):
             raise EngineError(self.name, f"{ADMIN}/stats returned {type(data).__name__}, not an object")
+        data.pop("api_key", None)  # the stats answer carries the server's key: never keep it
         return data
 
     def clear_ssd_cache(self) -> int:
@@ -253,9 +392,36 @@ class OmlxAdapter(EngineAdapter):
             raise EngineError(self.name, f"{ADMIN}/ssd-cache/clear answered {str(data)[:200]}")
         return deleted
 
-    def clear_hot_cache(self) -> int:
-        data = self._admin("POST", "/hot-cache/clear")
+    def clear_hot_cache(self) -> int | None:
+        """Entries dropped from the in-memory hot cache; None where the build has no such
+        route (older oMLX answers 404: it has no hot cache to clear separately)."""
+        resp = self._admin_request("POST", "/hot-cache/clear")
+        if resp.status_code == 404:
+            return None
+        if resp.status_code == 401:
+            return int(self._admin("POST", "/hot-cache/clear").get("total_cleared", 0))
+        if resp.status_code >= 400:
+            raise EngineError(self.name, f"POST {ADMIN}/hot-cache/clear -> HTTP {resp.status_code}")
+        data = self._json(resp, ADMIN + "/hot-cache/clear")
         return int(data.get("total_cleared", 0)) if isinstance(data, dict) else 0
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block: the SSD tier (files and index) and the hot cache.
+
+        SSD writes are asynchronous: launched, wait for the writer to settle first, so that
+        no block lands on disk after the clear, and check that the tier's folder is empty.
+        """
+        launched = not self.attached
+        if launched:
+            self._wait_files_still(timeout_s=10.0, quiet_s=0.5)
+        for _attempt in range(3):
+            self.clear_ssd_cache()
+            self.clear_hot_cache()
+            if not launched or not self.persisted_entries():
+                return
+            self._wait_files_still(timeout_s=5.0, quiet_s=0.5)
+        left = len(self.persisted_entries())
+        raise EngineError(self.name, f"{left} SSD block files left after {ADMIN}/ssd-cache/clear")
 
     def probe(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """Where each block of a chat prompt lives (hot SSD copy, SSD only, cold)."""
@@ -279,9 +445,9 @@ class OmlxAdapter(EngineAdapter):
         if not isinstance(data, dict):
             raise EngineError(self.name, f"/v1/completions returned {type(data).__name__}, not an object")
         usage = data.get("usage") or {}
-        cached = usage.get("cached_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if cached is None:
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            cached = usage.get("cached_tokens")  # builds before oMLX #922
         if cached is None:
             raise EngineError(self.name, f"response usage carries no cached_tokens: {usage}")
         prompt_tokens = int(usage.get("prompt_tokens", -1))
@@ -312,39 +478,73 @@ class OmlxAdapter(EngineAdapter):
         values.update({f"omlx_{k}": stats[k] for k in SNAPSHOT_KEYS if k in stats})
         runtime = stats.get("runtime_cache") or {}
         values.update({f"omlx_runtime_cache_{k}": runtime[k] for k in RUNTIME_CACHE_KEYS if k in runtime})
-        sizes = runtime.get("effective_block_sizes") or []
-        if sizes:
-            self._block_size = int(sizes[0])
         snap = snapshot_from_values(values)
         if not snap.has("omlx_total_prompt_tokens"):
             raise EngineError(self.name, f"/api/status lacks total_prompt_tokens: {sorted(status)[:20]}")
         return snap
 
     def block_size(self) -> int:
-        if self._block_size is None and (self.attached or self.server is not None):
-            try:
+        """Launched: oMLX's fixed block (the server has no option for it), never its report.
+        Attached: the server's configured block size (runtime_cache.effective_block_sizes),
+        as someone else configured it."""
+        if self.attached:
+            return self.attached_block_size()
+        return BLOCK_SIZE
+
+    def resolved_block_size(self) -> int | None:
+        """The block size the server says it runs at (runtime_cache.effective_block_sizes),
+        for the suite to judge against the one it requested; None where it does not say."""
+        with contextlib.suppress(EngineError):
+            sizes = (self.session_stats().get("runtime_cache") or {}).get("effective_block_sizes") or []
+            if sizes:
+                return int(sizes[0])
+        return None
+
+    def attached_block_size(self) -> int:
+        if self._attached_block is None:
+            with contextlib.suppress(EngineError):
                 sizes = (self.session_stats().get("runtime_cache") or {}).get("effective_block_sizes") or []
                 if sizes:
-                    self._block_size = int(sizes[0])
-            except EngineError:
-                pass
-        return self._block_size or self.default_block_size
+                    self._attached_block = int(sizes[0])
+        return self._attached_block or BLOCK_SIZE
+
+    # ---- capacity (FORCED_EVICTION, LONG_SESSION) ---------------------------------------
+    def cache_capacity_tokens(self) -> int:
+        """The SSD tier as configured: SSD_CACHE_BYTES of 256-token block files, each the
+        block's K and V (computed from the model shape, not read from the engine)."""
+        return SSD_CACHE_BYTES // self.model.block_bytes(BLOCK_SIZE) * BLOCK_SIZE
+
+    def kv_pool_bytes(self) -> int:
+        """Resident KV the configuration allows beyond the running request: the hot cache
+        (0 as launched). Finished requests' KV lives in SSD files; the running request's (a
+        few thousand tokens x 512 B in the checks) is within the checks' RSS noise allowance."""
+        return HOT_CACHE_BYTES
 
     # ---- persistence --------------------------------------------------------------------
     def persisted_entries(self) -> list[Path]:
         return sorted(p for p in self.ssd_dir().glob("[0-9a-f]/*.safetensors") if p.is_file())
 
-    def flush_persistent(self, timeout_s: float = 20.0, quiet_s: float = 1.5) -> None:
-        """SSD writes are asynchronous: wait until the tier's file set stops changing."""
+    def _file_state(self) -> list[tuple[str, int]]:
+        state = []
+        for path in self.persisted_entries():
+            with contextlib.suppress(OSError):
+                state.append((path.name, path.stat().st_size))
+        return state
+
+    def _wait_files_still(self, timeout_s: float, quiet_s: float, nonempty: bool = False) -> None:
         deadline = time.monotonic() + timeout_s
         last, still_since = None, time.monotonic()
         while time.monotonic() < deadline:
-            current = [(p.name, p.stat().st_size) for p in self.persisted_entries()]
+            current = self._file_state()
             if current != last:
                 last, still_since = current, time.monotonic()
-            elif current and time.monotonic() - still_since >= quiet_s:
+            elif (current or not nonempty) and time.monotonic() - still_since >= quiet_s:
                 return
-            time.sleep(0.2)
+            time.sleep(0.1)
+
+    def flush_persistent(self, timeout_s: float = 20.0, quiet_s: float = 1.5) -> None:
+        """SSD writes are asynchronous: wait until the tier's file set stops changing."""
+        self._wait_files_still(timeout_s, quiet_s, nonempty=True)
 
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:
