@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvconform.errors import KvconformError, UsageError
 
@@ -101,8 +102,24 @@ def allure_cli(version: str = ALLURE_VERSION) -> Path:
     return cli
 
 
-def generate(allure_results: str, out: str) -> str:
-    """Generate the HTML report of `allure_results` into `out`; return the index.html path."""
+def generate(
+    allure_results: str,
+    out: str,
+    results_dir: str | None = None,
+    history: str | None = None,
+    gate: Any = None,
+    dashboard_html: str | None = None,
+) -> str:
+    """Generate the HTML report of `allure_results` into `out`; return the index.html path.
+
+    results_dir: the run's results.json (organises the report: promises, engines, findings as
+    failures, grouped skips; see report.organise_results). history: Allure's history file
+    (JSON lines, read and then appended to: trends across runs). gate: a gate.GateResult shown
+    as the report's quality gate. dashboard_html: the conformance dashboard, attached to the
+    report as a global attachment."""
+    from kvconform import dashboard
+    from kvconform import report as kvreport
+
     results = Path(allure_results).resolve()
     if not results.is_dir():
         raise UsageError(f"no Allure results directory at {results}")
@@ -115,22 +132,39 @@ def generate(allure_results: str, out: str) -> str:
         if any(report.iterdir()) and not (report / "index.html").exists():
             raise UsageError(f"{report} is not empty and holds no report: refusing to overwrite it")
         shutil.rmtree(report)
+    data = (
+        dashboard.load(results_dir) if results_dir and Path(results_dir, "results.json").is_file() else None
+    )
     node = _node()
     cli = allure_cli()
     with tempfile.TemporaryDirectory(prefix="kvconform-allure-") as tmp:
+        organised = Path(tmp) / "results"
+        info = kvreport.organise_results(results, organised, data, dashboard_html)
+        name = REPORT_NAME
+        if data is not None:
+            engines = ", ".join(sorted((data.get("session") or {}).get("engines") or {}))
+            name = f"{REPORT_NAME}: {info['headline']}" + (f" ({engines})" if engines else "")
+        if gate is not None:
+            name += f" · gate {'PASS' if gate.passed else 'FAIL'}"
+        awesome = {"singleFile": True, "reportName": name, "groupBy": kvreport.GROUP_BY}
+        allurerc: dict[str, Any] = {"name": name, "plugins": {"awesome": {"options": awesome}}}
+        if history:
+            allurerc["historyPath"] = str(Path(history).resolve())
+            Path(history).resolve().parent.mkdir(parents=True, exist_ok=True)
         # an explicit config and a scratch cwd: no allurerc or known-issues file of the caller's
         # working directory leaks into the report
         config = Path(tmp) / "allurerc.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "name": REPORT_NAME,
-                    "plugins": {"awesome": {"options": {"singleFile": True, "reportName": REPORT_NAME}}},
-                }
-            )
-        )
-        cmd = [node, str(cli), "generate", str(results), "-o", str(report), "--config", str(config)]
-        cmd += ["--cwd", tmp]
+        config.write_text(json.dumps(allurerc))
+        if gate is not None:
+            gate_file = Path(tmp) / "quality-gate.json"
+            gate_file.write_text(json.dumps(kvreport.quality_gate_results(gate, info["ids"])))
+            script = Path(tmp) / "generate.mjs"
+            script.write_text(_GENERATE_WITH_GATE)
+            core = cli.parent.parent / "@allurereport" / "core" / "dist" / "index.js"
+            cmd = [node, str(script), str(core), str(config), str(organised), str(report), str(gate_file)]
+        else:
+            cmd = [node, str(cli), "generate", str(organised), "-o", str(report), "--config", str(config)]
+            cmd += ["--cwd", tmp]
         env = {**os.environ, "NO_COLOR": "1", "FORCE_COLOR": "0"}
         try:
             proc = subprocess.run(
@@ -146,6 +180,23 @@ def generate(allure_results: str, out: str) -> str:
         )
     _strip_analytics(index)
     return str(index)
+
+
+# `allure generate` has no way to take quality-gate results from outside (only `allure run`
+# validates its own rules): the same steps as its generate command, through the installed
+# @allurereport/core, with the kvconform gate's verdict dispatched as the quality gate's results.
+_GENERATE_WITH_GATE = """
+import { readFileSync } from "node:fs";
+import { pathToFileURL } from "node:url";
+const [core, configPath, resultsDir, output, gatePath] = process.argv.slice(2);
+const { AllureReport, readConfig } = await import(pathToFileURL(core).href);
+const config = await readConfig(process.cwd(), configPath, { output });
+const report = new AllureReport(config);
+await report.start();
+await report.readDirectory(resultsDir);
+report.realtimeDispatcher.sendQualityGateResults(JSON.parse(readFileSync(gatePath, "utf-8")));
+await report.done();
+"""
 
 
 # The generator's page template always embeds Google Analytics (no option turns it off): a report

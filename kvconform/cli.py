@@ -1,11 +1,11 @@
-"""The `kvconform` command: environments, the main job, the release gate."""
+"""The `kvconform` command: environments, the main job, the release gate, report and dashboard."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from kvconform.errors import KvconformError
+from kvconform.errors import KvconformError, UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--engine", action="append", default=[], help="engine (default: reference)")
     run.add_argument("--results-dir", default="results")
     run.add_argument("--report-dir", default="report")
+    run.add_argument("--baseline", help="results of a baseline run: its gate verdict goes into the report")
+    run.add_argument("--history", help="Allure history file (default: RESULTS_DIR/allure-history.jsonl)")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
 
     gate = sub.add_parser("gate", help="compare a candidate's results with a baseline's")
@@ -36,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="turn Allure results into an HTML report")
     report.add_argument("allure_results")
     report.add_argument("--out", default="report")
+    report.add_argument("--results", help="the run's results dir (results.json): organises the report")
+    report.add_argument("--baseline", help="with --results: show the gate against this baseline")
+    report.add_argument("--history", help="Allure history file to read and append to (trends)")
+
+    dash = sub.add_parser("dashboard", help="engine x check conformance dashboard from results.json")
+    dash.add_argument("results_dir", metavar="RESULTS_DIR")
+    dash.add_argument("--html", help="where dashboard.html goes (default: RESULTS_DIR/dashboard.html)")
 
     args = parser.parse_args(argv)
     try:
@@ -70,15 +79,37 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.results_dir,
             args.report_dir,
             [a for a in args.pytest_args if a != "--"],
+            baseline=args.baseline,
+            history=args.history,
         )
     if args.command == "gate":
         from kvconform.gate import run_gate
 
         return run_gate(args.baseline, args.candidate, markdown=args.markdown)
     if args.command == "report":
+        from pathlib import Path
+
+        if args.results:
+            from kvconform.mainjob import build_report
+
+            print(
+                build_report(
+                    Path(args.allure_results), Path(args.results), Path(args.out), args.baseline, args.history
+                )
+            )
+            return 0
         from kvconform.allure_html import generate
 
-        print(generate(args.allure_results, args.out))
+        if args.baseline:
+            raise UsageError("--baseline needs --results (the candidate's results dir)")
+        print(generate(args.allure_results, args.out, history=args.history))
+        return 0
+    if args.command == "dashboard":
+        from kvconform import dashboard
+
+        md, html = dashboard.write(args.results_dir, args.html)
+        print(md.read_text(), end="")
+        print(f"kvconform dashboard: {md}, {html}")
         return 0
     return 2
 

@@ -1,8 +1,15 @@
 """The main job: the suites against engines in a pytest subprocess, then the HTML report.
 
-    kvconform run [--engine NAME]... [--results-dir DIR] [--report-dir DIR] [-- PYTEST ARGS...]
+    kvconform run [--engine NAME]... [--results-dir DIR] [--report-dir DIR]
+                  [--baseline RESULTS] [--history FILE] [-- PYTEST ARGS...]
 
-Results land in DIR/results.json, Allure results in DIR/allure, the report in REPORT/index.html.
+Results land in DIR/results.json, Allure results in DIR/allure, the report in REPORT/index.html,
+the conformance dashboard in DIR/dashboard.md and REPORT/dashboard.html (and inside the report as
+a global attachment). The report is organised from results.json (promises, engines, findings as
+failures, grouped skips: report.organise_results); Allure's history is kept in FILE (default
+DIR/allure-history.jsonl: restore the previous run's to see trends). With --baseline, the gate's
+verdict against that baseline is written to DIR/gate.md and shown as the report's quality gate
+(it does not change the exit code: `kvconform gate` is the gate's own command).
 The report is generated whatever the checks' outcome. The exit code is pytest's; pytest's 5
 (no checks collected) stays a failure. A run whose checks passed but whose report could not be
 generated exits 2.
@@ -30,7 +37,17 @@ def pytest_command(engines: list[str], results_dir: Path, pytest_args: list[str]
     return cmd
 
 
-def run_main_job(engines: list[str], results_dir: str, report_dir: str, pytest_args: list[str]) -> int:
+HISTORY_NAME = "allure-history.jsonl"
+
+
+def run_main_job(
+    engines: list[str],
+    results_dir: str,
+    report_dir: str,
+    pytest_args: list[str],
+    baseline: str | None = None,
+    history: str | None = None,
+) -> int:
     results = Path(results_dir).resolve()
     report = Path(report_dir).resolve()
     results.mkdir(parents=True, exist_ok=True)
@@ -46,15 +63,46 @@ def run_main_job(engines: list[str], results_dir: str, report_dir: str, pytest_a
             shutil.rmtree(report)  # an older run's report must not pass for this run's
         print(f"kvconform run: no Allure results in {allure_dir}: no report generated", file=sys.stderr)
         return code or 2
-    from kvconform.allure_html import generate
-
     try:
-        index = generate(str(allure_dir), str(report))
+        index = build_report(allure_dir, results, report, baseline, history or str(results / HISTORY_NAME))
     except KvconformError as exc:
         print(f"kvconform run: HTML report not generated: {exc}", file=sys.stderr)
         return code or 2
     merged = results / "results.json"
     if merged.exists():
         print(f"kvconform run: results: {merged}")
+        print(f"kvconform run: dashboard: {results / 'dashboard.md'}, {report / 'dashboard.html'}")
     print(f"kvconform run: report: {index}")
     return code
+
+
+def build_report(
+    allure_dir: Path, results: Path, report: Path, baseline: str | None, history: str | None
+) -> str:
+    """Dashboard (markdown + HTML), gate verdict (with a baseline), then the HTML report."""
+    from kvconform import dashboard
+    from kvconform.allure_html import generate
+
+    html = None
+    verdict = None
+    if (results / "results.json").is_file():
+        dash = dashboard.build(dashboard.load(results))
+        (results / dashboard.MARKDOWN_NAME).write_text(dashboard.render_markdown(dash))
+        html = dashboard.render_html(dash)
+        if baseline:
+            from kvconform import gate
+
+            verdict = gate.compare(gate.load(baseline), gate.load(str(results)))
+            (results / "gate.md").write_text(gate.render_markdown(verdict) + "\n")
+            print(f"kvconform: gate against {baseline}: {'PASS' if verdict.passed else 'FAIL'}")
+    index = generate(
+        str(allure_dir),
+        str(report),
+        results_dir=str(results),
+        history=history,
+        gate=verdict,
+        dashboard_html=html,
+    )
+    if html is not None:
+        (report / dashboard.HTML_NAME).write_text(html, encoding="utf-8")
+    return index

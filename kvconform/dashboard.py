@@ -1,0 +1,347 @@
+"""The conformance dashboard: engine x check, one cell per record of a run's results.json.
+
+    kvconform dashboard RESULTS_DIR [--html PATH]
+
+Each cell reads pass, finding (a known finding: the measure(s) it fails on, with their numbers),
+failed (a new failure: the violated measure, or the first line of the error), skip (the
+capability the engine lacks, or the reason) or "-" (the check does not apply to that engine).
+The header names each engine's version and the platform; rows are grouped by the promise the
+check guards. Written as RESULTS_DIR/dashboard.md (a nightly's artifacts carry it) and as a
+self-contained dashboard.html (beside the HTML report, and inside it as a global attachment).
+
+Also here: the promise each check guards (the report's epics) and the counts the report's
+headline states ("N findings, M new failures").
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvconform.errors import UsageError
+
+MARKDOWN_NAME = "dashboard.md"
+HTML_NAME = "dashboard.html"
+
+# the promises of the design brief, each check's epic in the report
+MEMORY = "Memory returns to baseline"
+GAUGES = "Offload gauges tell the truth"
+PREFIX = "Prefix hits survive"
+TRANSFER = "Transfer bytes reconcile"
+RELEASED_ONCE = "No block released twice"
+PROMISES = (MEMORY, GAUGES, PREFIX, TRANSFER, RELEASED_ONCE)
+SUITE_PROMISE = {
+    "memory_reclaim": MEMORY,
+    "offload_metrics": GAUGES,
+    "prefix_reuse": PREFIX,
+    "transfer": TRANSFER,
+}
+# checks whose promise is not their suite's: double release, unlock underflow, release once
+CHECK_PROMISE = {
+    "memory_reclaim::test_second_release_is_harmless": RELEASED_ONCE,
+    "prefix_reuse::test_radix_unlock_without_lock_refused": RELEASED_ONCE,
+    "transfer::test_block_tracker_ownership_and_drain": RELEASED_ONCE,
+    "transfer::test_event_ledger_consistent": RELEASED_ONCE,
+    "transfer::test_abort_releases_kv_once": RELEASED_ONCE,
+    "transfer::test_release_guard_holds": RELEASED_ONCE,
+}
+
+PASSING = {"passed", "xpassed"}
+_LACKS = re.compile(r"engine (?P<engine>\S+) lacks capability (?P<cap>.+?)(?: \((?P<why>.*)\))?$")
+_LINK = re.compile(r" \[(?P<url>https?://[^\]\s]+)\]$")
+
+
+def suite_of(check: str) -> str:
+    return check.split("::", 1)[0] if "::" in check else "-"
+
+
+def base_check(check: str) -> str:
+    """The check id without its parameters: `suite::test_name`."""
+    return check.split("[", 1)[0]
+
+
+def promise_of(check: str) -> str:
+    return CHECK_PROMISE.get(base_check(check)) or SUITE_PROMISE.get(suite_of(check)) or suite_of(check)
+
+
+def finding_link(finding: str) -> str:
+    """The upstream URL a finding's reason ends with (`... [https://...]`), if any."""
+    match = _LINK.search(finding or "")
+    return match.group("url") if match else ""
+
+
+def skip_reason(record: dict[str, Any]) -> str:
+    text = (record.get("message") or "").strip()
+    text = text.removeprefix("Skipped: ").strip()
+    return (text.splitlines() or [""])[0]
+
+
+def lacked_capability(record: dict[str, Any]) -> str:
+    """The capability a skipped record's engine lacks ("" if it was skipped for another reason)."""
+    match = _LACKS.match(skip_reason(record))
+    return match.group("cap") if match else ""
+
+
+def violated(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for m in record.get("measures") or [] if m.get("ok") is False]
+
+
+def describe_measure(m: dict[str, Any]) -> str:
+    unit = f" {m['unit']}" if m.get("unit") else ""
+    text = f"{m.get('name')} = {_fmt(m.get('value'))}{unit}"
+    if m.get("op") is not None:
+        text += f" (expected {m['op']} {_fmt(m.get('bound'))}{unit})"
+    return text
+
+
+def first_line(text: str, limit: int = 160) -> str:
+    line = ((text or "").strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def is_finding(record: dict[str, Any]) -> bool:
+    return record.get("outcome") == "xfailed"
+
+
+def is_new_failure(record: dict[str, Any]) -> bool:
+    return record.get("outcome") in ("failed", "error")
+
+
+@dataclass
+class Cell:
+    engine: str
+    check: str
+    state: str  # pass | finding | failed | skip | absent
+    text: str  # short, for the cell
+    detail: str = ""  # longer, for a tooltip / the markdown's notes
+    link: str = ""
+
+
+def cell_of(record: dict[str, Any]) -> Cell:
+    engine, check = record.get("engine", "-"), record.get("check", "?")
+    outcome = record.get("outcome", "?")
+    bad = violated(record)
+    measures = "; ".join(describe_measure(m) for m in bad)
+    if outcome in PASSING:
+        return Cell(engine, check, "pass", "pass" if outcome == "passed" else "pass (XPASS)")
+    if outcome == "xfailed":
+        finding = record.get("finding") or ""
+        return Cell(
+            engine,
+            check,
+            "finding",
+            f"finding: {measures or first_line(record.get('message', ''))}",
+            first_line(finding, 400),
+            finding_link(finding),
+        )
+    if outcome in ("failed", "error"):
+        what = measures or first_line(record.get("message", ""))
+        detail = first_line(record.get("finding", ""), 400) if record.get("finding") else ""
+        return Cell(
+            engine, check, "failed", f"{outcome}: {what}", detail, finding_link(record.get("finding", ""))
+        )
+    if outcome == "skipped":
+        cap = lacked_capability(record)
+        return Cell(engine, check, "skip", f"skip: lacks {cap}" if cap else f"skip: {skip_reason(record)}")
+    return Cell(engine, check, "failed", f"{outcome}: {first_line(record.get('message', ''))}")
+
+
+@dataclass
+class Dashboard:
+    engines: list[str]
+    versions: dict[str, str]
+    platform: str
+    checks: list[str]  # rows, grouped by promise
+    cells: dict[tuple[str, str], Cell] = field(default_factory=dict)  # (engine, check)
+    counts: dict[str, int] = field(default_factory=dict)
+    generated: float = field(default_factory=time.time)
+
+    def cell(self, engine: str, check: str) -> Cell:
+        return self.cells.get((engine, check)) or Cell(engine, check, "absent", "-")
+
+
+def counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
+    out = {"checks": 0, "passed": 0, "findings": 0, "new_failures": 0, "skipped": 0}
+    for r in records:
+        out["checks"] += 1
+        if r.get("outcome") in PASSING:
+            out["passed"] += 1
+        elif is_finding(r):
+            out["findings"] += 1
+        elif r.get("outcome") == "skipped":
+            out["skipped"] += 1
+        else:
+            out["new_failures"] += 1
+    return out
+
+
+def headline(c: dict[str, int]) -> str:
+    """ "N findings, M new failures" (+ passed / skipped), the report's and dashboard's first line."""
+    f, n = c.get("findings", 0), c.get("new_failures", 0)
+    return (
+        f"{f} finding{'s' if f != 1 else ''}, {n} new failure{'s' if n != 1 else ''}; "
+        f"{c.get('passed', 0)} passed, {c.get('skipped', 0)} skipped"
+    )
+
+
+def build(data: dict[str, Any]) -> Dashboard:
+    """From a results.json's content: {"session": {...}, "records": [...]}."""
+    session = data.get("session") or {}
+    records = data.get("records") or []
+    versions = dict(session.get("engines") or {})
+    for r in records:
+        versions.setdefault(r.get("engine", "-"), str(r.get("engine_version", "-")))
+    engines = [e for e in versions if e != "-" and any(r.get("engine") == e for r in records)]
+    engines += sorted({r.get("engine", "-") for r in records} - set(engines))
+    platform = str(
+        session.get("platform") or next((r.get("platform") for r in records if r.get("platform")), "?")
+    )
+    order = {p: i for i, p in enumerate(PROMISES)}
+    checks = sorted(
+        {r.get("check", "?") for r in records},
+        key=lambda c: (order.get(promise_of(c), len(order)), promise_of(c), c),
+    )
+    dash = Dashboard(engines, versions, platform, checks, counts=counts(records))
+    for r in records:
+        dash.cells[(r.get("engine", "-"), r.get("check", "?"))] = cell_of(r)
+    return dash
+
+
+def load(results_dir: str | Path) -> dict[str, Any]:
+    path = Path(results_dir)
+    path = path / "results.json" if path.is_dir() else path
+    if not path.is_file():
+        raise UsageError(f"no results.json at {path} (a `kvconform run` or pytest --results-dir writes it)")
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        data = {"session": {}, "records": data}
+    return data
+
+
+_MARK = {"pass": "✅", "finding": "🟧", "failed": "❌", "skip": "⏭", "absent": ""}
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(dash: Dashboard) -> str:
+    lines = ["# kvconform conformance dashboard", ""]
+    lines.append(f"**{headline(dash.counts)}** — {dash.counts.get('checks', 0)} checks")
+    lines.append("")
+    for engine in dash.engines:
+        lines.append(f"- **{_md(engine)}** {_md(dash.versions.get(engine, '-'))}")
+    lines.append(f"- platform: {_md(dash.platform)}")
+    lines.append(f"- generated: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(dash.generated))}")
+    lines.append("")
+    lines.append("| Promise | Check | " + " | ".join(_md(e) for e in dash.engines) + " |")
+    lines.append("|---|---|" + "---|" * len(dash.engines))
+    notes: list[str] = []
+    for check in dash.checks:
+        row = [_md(promise_of(check)), f"`{_md(check)}`"]
+        for engine in dash.engines:
+            cell = dash.cell(engine, check)
+            text = f"{_MARK[cell.state]} {_md(cell.text)}".strip()
+            if cell.link:
+                text += f" ([upstream]({cell.link}))"
+            row.append(text)
+            if cell.state == "finding" and cell.detail:
+                notes.append(f"- {_md(engine)} `{_md(check)}`: {_md(cell.detail)}")
+        lines.append("| " + " | ".join(row) + " |")
+    if notes:
+        lines += ["", "Findings:", "", *notes]
+    return "\n".join(lines) + "\n"
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1b1f24}
+h1{font-size:20px;margin:0 0 6px} .headline{font-size:16px;font-weight:600;margin:6px 0 10px}
+.meta{color:#555;font-size:13px;margin-bottom:14px} .meta b{color:#1b1f24}
+table{border-collapse:collapse;font-size:12.5px}
+th,td{border:1px solid #d0d7de;padding:4px 8px;vertical-align:top}
+th{background:#f6f8fa;position:sticky;top:0} td.check{font-family:ui-monospace,monospace;white-space:nowrap}
+td.promise{color:#555;white-space:nowrap} td.cell{max-width:340px}
+td.pass{background:#dafbe1} td.finding{background:#fff1cc} td.failed{background:#ffd7d5}
+td.skip{background:#f3f4f6;color:#57606a} td.absent{color:#bbb;text-align:center}
+.legend span{display:inline-block;padding:1px 8px;margin-right:6px;border:1px solid #d0d7de;font-size:12px}
+.legend .pass{background:#dafbe1} .legend .finding{background:#fff1cc} .legend .failed{background:#ffd7d5}
+.legend .skip{background:#f3f4f6}
+"""
+
+
+def render_html(dash: Dashboard) -> str:
+    e = html.escape
+    head = [f"<b>{e(engine)}</b> {e(dash.versions.get(engine, '-'))}" for engine in dash.engines]
+    rows = []
+    for check in dash.checks:
+        cells = []
+        for engine in dash.engines:
+            cell = dash.cell(engine, check)
+            link = (
+                f' <a href="{e(cell.link)}" target="_blank" rel="noopener">upstream</a>' if cell.link else ""
+            )
+            title = f' title="{e(cell.detail)}"' if cell.detail else ""
+            cells.append(
+                f'<td class="cell {cell.state}" data-engine="{e(engine)}" data-check="{e(check)}" '
+                f'data-state="{cell.state}"{title}>{e(cell.text)}{link}</td>'
+            )
+        rows.append(
+            f'<tr><td class="promise">{e(promise_of(check))}</td><td class="check">{e(check)}</td>'
+            + "".join(cells)
+            + "</tr>"
+        )
+    generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(dash.generated))
+    total = dash.counts.get("checks", 0)
+    meta = " &middot; ".join(head) + f" &middot; platform <b>{e(dash.platform)}</b> &middot; {e(generated)}"
+    columns = "".join(
+        f'<th data-engine="{e(en)}">{e(en)}<br><small>{e(dash.versions.get(en, "-"))}</small></th>'
+        for en in dash.engines
+    )
+    legend = "".join(
+        f'<span class="{state}">{e(text)}</span>'
+        for state, text in (
+            ("pass", "pass"),
+            ("finding", "finding (known, with its measure)"),
+            ("failed", "failed (new)"),
+            ("skip", "skip (capability)"),
+            ("absent", "- not applicable"),
+        )
+    )
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        "<title>kvconform conformance dashboard</title>"
+        f"<style>{_CSS}</style></head><body>"
+        "<h1>kvconform conformance dashboard</h1>"
+        f'<div class="headline" id="headline">{e(headline(dash.counts))} — {total} checks</div>'
+        f'<div class="meta" id="versions">{meta}</div>'
+        f'<div class="legend">{legend}</div><br>'
+        f'<table id="dashboard"><thead><tr><th>Promise</th><th>Check</th>{columns}</tr></thead><tbody>'
+        + "".join(rows)
+        + "</tbody></table></body></html>\n"
+    )
+
+
+def write(results_dir: str | Path, html_path: str | Path | None = None) -> tuple[Path, Path]:
+    """dashboard.md into the results dir, dashboard.html at `html_path` (default: beside it)."""
+    results = Path(results_dir)
+    dash = build(load(results))
+    md = results / MARKDOWN_NAME
+    md.write_text(render_markdown(dash))
+    out = Path(html_path) if html_path else results / HTML_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(dash), encoding="utf-8")
+    return md, out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, str) and len(value) > 60:
+        return value[:57] + "..."
+    return str(value)
