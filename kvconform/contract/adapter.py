@@ -120,6 +120,11 @@ class EngineAdapter(ABC):
             return self.capabilities - self.attach_capabilities_removed
         return self.capabilities
 
+    def capability_gaps(self) -> dict[Capability, str]:
+        """Why this instance lacks a capability its engine has elsewhere (e.g. a release
+        without the metric), for the skip reason; {} when nothing needs saying."""
+        return {}
+
     def block_size(self) -> int:
         if self.attached:
             return self.attached_block_size()
