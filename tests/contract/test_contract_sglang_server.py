@@ -1,4 +1,4 @@
-"""Contract tests of adapters/sglang.py server mode against FakeSglang (no GPU, no SGLang server).
+"""Contract tests of the sglang-server adapter against FakeSglang (no GPU, no SGLang server).
 
 The fake answers as SGLang 0.5.23's server does (see tests/contract/fake_sglang.py for the
 source files each payload is shaped after). These are contract tests: they prove the
@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvconform.adapters.sglang.adapter as sglang_module
+import kvconform.adapters.sglang_server.adapter as server_module
 from kvconform.adapters.sglang.adapter import INPROCESS_CAPABILITIES, SglangAdapter
-from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
+from kvconform.adapters.sglang_server.adapter import STUB_DIRS, SglangServerAdapter
 from kvconform.contract import AdapterContext, EngineConfig
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
@@ -42,14 +42,14 @@ def fake_sglang() -> Iterator[FakeSglang]:
 
 
 @pytest.fixture
-def sglang(fake_sglang: FakeSglang, tmp_path: Path) -> Iterator[SglangAdapter]:
+def sglang(fake_sglang: FakeSglang, tmp_path: Path) -> Iterator[SglangServerAdapter]:
     adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=fake_sglang.url, request_timeout_s=5))
     yield adapter
     adapter.close()
 
 
 # ---- requests ------------------------------------------------------------------------------
-def test_generate_sends_input_ids_and_reads_cached_tokens(sglang: SglangAdapter, fake_sglang) -> None:
+def test_generate_sends_input_ids_and_reads_cached_tokens(sglang: SglangServerAdapter, fake_sglang) -> None:
     prompt = list(range(100, 200))  # 100 tokens: 3 whole pages of 32 + 4
     first = sglang.serve_prompt(prompt)
     second = sglang.serve_prompt(prompt)
@@ -88,13 +88,13 @@ def test_missing_cached_tokens_is_a_clear_engine_error(tmp_path: Path) -> None:
         fake.close()
 
 
-def test_stream_and_disconnect_reads_generate_chunks(sglang: SglangAdapter, fake_sglang) -> None:
+def test_stream_and_disconnect_reads_generate_chunks(sglang: SglangServerAdapter, fake_sglang) -> None:
     assert sglang.stream_and_disconnect(list(range(10, 60)), after_chunks=2) == 2
     assert fake_sglang.bodies[-1]["stream"] is True
 
 
 # ---- reset -----------------------------------------------------------------------------------
-def test_flush_cache_retried_while_it_answers_400(sglang: SglangAdapter, fake_sglang) -> None:
+def test_flush_cache_retried_while_it_answers_400(sglang: SglangServerAdapter, fake_sglang) -> None:
     prompt = list(range(500, 600))
     sglang.serve_prompt(prompt)
     fake_sglang.busy_flushes = 3
@@ -106,15 +106,15 @@ def test_flush_cache_retried_while_it_answers_400(sglang: SglangAdapter, fake_sg
 
 
 def test_flush_cache_gives_up_with_the_servers_message(
-    sglang: SglangAdapter, fake_sglang, monkeypatch: pytest.MonkeyPatch
+    sglang: SglangServerAdapter, fake_sglang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sglang_module, "RESET_RETRY_S", 0.5)
+    monkeypatch.setattr(server_module, "RESET_RETRY_S", 0.5)
     fake_sglang.busy_flushes = 10**6
     with pytest.raises(EngineError, match=r"/flush_cache kept answering 400 .*Timed out waiting for idle"):
         sglang.reset_prefix_cache()
 
 
-def test_flush_cache_http_500_is_not_retried(sglang: SglangAdapter, fake_sglang) -> None:
+def test_flush_cache_http_500_is_not_retried(sglang: SglangServerAdapter, fake_sglang) -> None:
     fake_sglang.faults["/flush_cache"] = "500"
     with pytest.raises(EngineError, match=r"engine sglang-server: POST /flush_cache -> HTTP 500"):
         sglang.reset_prefix_cache()
@@ -122,7 +122,7 @@ def test_flush_cache_http_500_is_not_retried(sglang: SglangAdapter, fake_sglang)
 
 
 # ---- server info ----------------------------------------------------------------------------
-def test_server_info_gives_version_page_size_and_capacity(sglang: SglangAdapter) -> None:
+def test_server_info_gives_version_page_size_and_capacity(sglang: SglangServerAdapter) -> None:
     assert sglang.version == "0.5.23+contract-fake"
     assert sglang.block_size() == 32
     assert sglang.default_block_size == 32  # the attached server's page size
@@ -140,7 +140,7 @@ def test_older_server_info_endpoint_is_used_when_the_new_one_is_missing(tmp_path
 
 
 # ---- metrics --------------------------------------------------------------------------------
-def test_sglang_metrics_map_to_logical_counters(sglang: SglangAdapter) -> None:
+def test_sglang_metrics_map_to_logical_counters(sglang: SglangServerAdapter) -> None:
     before = sglang.metrics()
     assert not before.has("sglang:cached_tokens_total")  # lazily created: absent reads 0
     assert sglang.metric("prefix_hits", before) == 0
@@ -156,7 +156,7 @@ def test_sglang_metrics_map_to_logical_counters(sglang: SglangAdapter) -> None:
     assert sglang.metric_delta("requests", before, after) == 3
 
 
-def test_eviction_counter_moves_past_capacity(sglang: SglangAdapter) -> None:
+def test_eviction_counter_moves_past_capacity(sglang: SglangServerAdapter) -> None:
     before = sglang.metrics()
     for i in range(10):  # 10 x 512 tokens through a 4096-token pool
         sglang.serve_prompt([10 + (i * 512 + t) % 3000 for t in range(512)])
@@ -168,11 +168,11 @@ def test_eviction_counter_moves_past_capacity(sglang: SglangAdapter) -> None:
 def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     inprocess = SglangAdapter(AdapterContext(workdir=tmp_path))
     attached = SglangServerAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
-    assert not inprocess.server_mode and attached.server_mode
+    assert not issubclass(SglangServerAdapter, SglangAdapter)  # two adapters, not one branching
     assert inprocess.effective_capabilities() == INPROCESS_CAPABILITIES
     assert attached.effective_capabilities() == ATTACHED  # only what works over HTTP
     launched = SglangServerAdapter(AdapterContext(workdir=tmp_path))
-    assert launched.server_mode and launched.env_spec == "sglang-server"
+    assert launched.env_spec == "sglang-server"
     caps = launched.effective_capabilities()
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
@@ -198,7 +198,10 @@ def test_launch_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     flags = dict(itertools.pairwise(argv))
     assert flags["--model-path"] == str(tmp_path / "model") and flags["--load-format"] == "dummy"
     assert flags["--page-size"] == "128" and flags["--port"] == "30000"
-    assert "--enable-metrics" in argv and "--skip-tokenizer-init" in argv
+    assert flags["--max-total-tokens"] == "4096" and flags["--tp"] == "1"
+    assert "--enable-metrics" in argv and "--skip-server-warmup" in argv
+    # the default spec is the CPU build: SGLang's CPU engine with the native-torch attention
+    assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
     events = json.loads(flags["--kv-events-config"])
     assert events == {
         "publisher": "zmq",
@@ -207,6 +210,61 @@ def test_launch_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "replay_endpoint": "tcp://127.0.0.1:6",
         "topic": "kv",
     }
+
+
+def test_cpu_spec_puts_the_stand_ins_on_the_path_and_the_cuda_spec_does_not(tmp_path: Path) -> None:
+    cpu = SglangServerAdapter(AdapterContext(workdir=tmp_path))
+    env = cpu.server_env(tmp_path / "tmp")
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["TMPDIR"] == str(tmp_path / "tmp")
+    assert env["PYTHONPATH"].split(":") == [str(d) for d in STUB_DIRS]
+    assert (STUB_DIRS[0] / "sgl_kernel" / "__init__.py").exists()
+    assert (STUB_DIRS[1] / "torchvision" / "__init__.py").exists()
+    gpu = SglangServerAdapter(AdapterContext(workdir=tmp_path, env_name="sglang-server-cuda"))
+    env = gpu.server_env(tmp_path / "tmp")
+    assert "SGLANG_USE_CPU_ENGINE" not in env and "PYTHONPATH" not in env
+    gpu.env = lambda: SimpleNamespace(python=tmp_path / "python")  # type: ignore[method-assign]
+    gpu.model_dir = lambda: tmp_path / "model"  # type: ignore[method-assign]
+    argv = gpu.server_argv(EngineConfig(), 1, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6")
+    assert "--device" not in argv and "--attention-backend" not in argv
+
+
+def test_sgl_kernel_stand_in_imports_and_raises_when_called() -> None:
+    code = (
+        "from sgl_kernel.scalar_type import ScalarType, scalar_types\n"
+        "import sgl_kernel\n"
+        "class K(sgl_kernel.SomeBase): pass\n"
+        "t = scalar_types.uint4b8\n"
+        "try:\n    sgl_kernel.common_ops.fused_add_rmsnorm_cpu(1)\nexcept RuntimeError as e:\n"
+        "    print('raised', e)\n"
+    )
+    out = subprocess.run(
+        ["python3", "-c", code],
+        env={"PYTHONPATH": str(STUB_DIRS[0]), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "raised sgl_kernel.common_ops.fused_add_rmsnorm_cpu was called" in out.stdout
+
+
+def test_launched_oracles_come_from_the_request_not_the_server(tmp_path: Path) -> None:
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path))
+    assert adapter.block_size() == 16 and adapter.cache_capacity_tokens() == 4096
+    adapter.config = EngineConfig(block_size=64)
+    assert adapter.block_size() == 64
+
+
+def test_a_server_that_resolved_another_page_size_is_an_error(tmp_path: Path) -> None:
+    fake = FakeSglang(page_size=16)
+    adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path))
+    adapter.base_url = fake.url
+    try:
+        with pytest.raises(EngineError, match=r"launched with --page-size 32, /server_info says 16"):
+            adapter.check_resolved(EngineConfig(block_size=32))
+        adapter.check_resolved(EngineConfig(block_size=16))
+    finally:
+        fake.close()
 
 
 # ---- KV events (launch mode's transport, with SGLang's encoding) -----------------------------
@@ -256,7 +314,7 @@ def test_sglang_kv_events_reach_the_ledger_and_gaps_are_replayed(tmp_path: Path)
     ],
 )
 def test_bad_answers_are_clear_engine_errors(
-    sglang: SglangAdapter, fake_sglang, path: str, fault: str, call: str, expected: str
+    sglang: SglangServerAdapter, fake_sglang, path: str, fault: str, call: str, expected: str
 ) -> None:
     fake_sglang.faults[path] = fault
     with pytest.raises(EngineError, match=expected):

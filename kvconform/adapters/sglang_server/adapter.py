@@ -1,24 +1,437 @@
-"""SGLang's HTTP server (`python -m sglang.launch_server`), attached or launched.
+"""SGLang's HTTP server (`sglang-server`): `python -m sglang.launch_server`, attached
+(`--engine-url`) or launched (environment spec sglang-server, the CPU build, unless
+`--engine-env sglang-server=<spec>` names another, e.g. sglang-server-cuda on a GPU runner).
 
-The request, metric and event code is shared with the in-process adapter's server paths
-(kvconform.adapters.sglang.adapter, whose docstring cites what each call reads in SGLang).
+What it reads (SGLang 0.5.23):
+
+- `POST /generate` with `input_ids` (srt/entrypoints/http_server.py generate_request; request
+  schema sglang/api/v1/api_types.py GenerateRequest) answers `{"text", "output_ids",
+  "meta_info": {"prompt_tokens", "cached_tokens", "cached_tokens_details"?, ...}}`
+  (srt/managers/tokenizer_manager.py _handle_batch_output). `cached_tokens` is always there;
+  the OpenAI `/v1/completions` reports `usage.prompt_tokens_details` only with
+  `--enable-cache-report` (srt/entrypoints/openai/usage_processor.py), so /generate is used.
+  `cached_tokens_details` ({"device", "host"[, "storage"]}) appears when cached_tokens > 0
+  (srt/managers/scheduler_components/output_streamer.py get_cached_tokens_details).
+  The prefix match stops one token short of the prompt and at a page boundary
+  (srt/managers/schedule_batch.py _compute_max_prefix_len): the suite's block oracle.
+- `POST /flush_cache?timeout=S` answers 200 (text "Cache flushed...") or 400 (text: the
+  scheduler's message) when requests are still running or waiting (scheduler.py flush_cache,
+  scheduler_components/flush_wrapper.py): retried until RESET_RETRY_S.
+- `GET /server_info` (older servers: `/get_server_info`): the resolved server args
+  (`page_size`, ...), the scheduler's `max_total_num_tokens`, `version` (srt/utils/common.py
+  build_server_info). Attached, the page size and capacity come from here; launched, the
+  oracles use what the suite asked for, and a server that resolved another page size is an
+  error, not a new oracle.
+- `GET /metrics` with `--enable-metrics` (srt/observability/metrics_collector.py):
+  `sglang:prompt_tokens_total{is_streaming}` and `sglang:cached_tokens_total{cache_source}`
+  per finished request (TokenizerMetricsCollector.observe_one_finished_request; the cached
+  series exists only after the first hit), `sglang:token_usage`, `sglang:cache_hit_rate`,
+  `sglang:evicted_tokens_total{cache_type,dp_rank,pp_rank,tp_rank}` (RadixCacheMetricsCollector).
+- KV events with `--kv-events-config '{"publisher":"zmq",...}'`: SGLang's ZmqEventPublisher
+  (srt/disaggregation/kv_events.py) sends vLLM's wire format (topic, 8-byte big-endian seq,
+  msgpack [ts, [tagged events], dp_rank]) and serves replays on a ROUTER socket, so
+  kvconform/kit/zmq_events.py reads it. The suite binds its SUB on a free loopback port
+  before the server starts and passes `"bind": false`, so the publisher connects to it and
+  no early event is missed (with `"bind": true` SGLang would bind and the suite connect).
+  Attached, the suite binds no socket: no events.
+
+CPU (spec field `cpu_engine = true`): `SGLANG_USE_CPU_ENGINE=1`, `--device cpu
+--attention-backend torch_native`, and stand-ins for `sgl_kernel` (drivers/sglang_server_stubs)
+and torchvision (the sglang adapter's drivers/sglang_stubs) on PYTHONPATH: SGLang imports the
+CPU sgl_kernel at module level, and no CPU build is on the registries. The stand-in raises when
+called; its calls are logged and shown with the server log.
+
+Teardown: the process group is stopped and audited by the harness (processes, and /dev/shm
+files the tree held: SGLang 0.5.23 never unlinks /dev/shm/sglang_loads_<id>_<digest>.shm,
+srt/managers/load_snapshot.py shm_path_for, so the harness removes it and the teardown report
+names it as the engine's leftover). Each launch gets its own TMPDIR (SGLang's ipc:// socket
+files), removed after stop.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, ClassVar
 
-from kvconform.adapters.sglang.adapter import (
-    SERVER_CAPABILITIES,
-    SERVER_ENV_SPEC,
-    SERVER_PAGE_SIZE,
-    SglangAdapter,
+import requests
+
+from kvconform import envs
+from kvconform.adapters.sglang.common import MODEL, int_field
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    EngineAdapter,
+    EngineConfig,
+    ModelShape,
+    ServedPrompt,
+)
+from kvconform.errors import EngineError
+from kvconform.kit.drivers import engine_side_script
+from kvconform.kit.server import LaunchedServer
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import TeardownReport, free_port
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"
+STUB_DIRS = (
+    DRIVERS / "sglang_server_stubs",  # sgl_kernel
+    Path(__file__).resolve().parent.parent / "sglang" / "drivers" / "sglang_stubs",  # torchvision
+)
+STANDIN_CALLS_ENV = "KVCONFORM_SGL_KERNEL_CALLS"  # read by the sgl_kernel stand-in
+
+C = Capability
+MODEL_ENV = "KVCONFORM_SGLANG_MODEL"  # launch mode: a model path/id instead of the tiny dummy one
+SERVER_PAGE_SIZE = 16  # the page size launch mode starts with (attached: what /server_info says)
+SERVER_CAPACITY_TOKENS = 4096  # --max-total-tokens in launch mode: eviction is reachable
+MODEL_CONTEXT_TOKENS = 2048  # the tiny model's context (below the pool, as SGLang wants)
+SERVER_MODEL_NAME = "tiny"
+RESET_RETRY_S = 10.0  # /flush_cache answers 400 while requests are running or waiting
+FLUSH_WAIT_S = 2.0  # ?timeout= asks the scheduler to wait this long for idle itself
+
+# What works over HTTP against a server the suite launched (attach mode removes the rest).
+SERVER_CAPABILITIES = frozenset(
+    {
+        C.PREFIX_CACHE,
+        C.PREFIX_HIT_COUNTERS,
+        C.RESET_PREFIX_CACHE,
+        C.BLOCK_SIZE_CONFIG,  # --page-size at launch
+        C.RESTART,
+        C.FORCED_EVICTION,  # --max-total-tokens at launch
+        C.HOST_MEMORY,
+        C.KV_EVENTS,  # launch mode binds the subscriber before the server starts
+        C.ABORT_REQUESTS,
+    }
 )
 
+SERVER_METRICS: dict[str, str] = {
+    "prefix_queries": "sglang:prompt_tokens_total",
+    "prefix_hits": "sglang:cached_tokens_total",  # summed over cache_source (device/host/storage)
+    "prefix_hits_host": "sglang:cached_tokens_total{cache_source=host}",
+    "kv_usage": "sglang:token_usage",
+    "cache_hit_rate": "sglang:cache_hit_rate",
+    "evicted_tokens": "sglang:evicted_tokens_total",
+    "requests": "sglang:num_requests_total",
+}
 
-class SglangServerAdapter(SglangAdapter):
+
+class SglangServerAdapter(EngineAdapter):
     name = "sglang-server"
-    env_spec = SERVER_ENV_SPEC
+    env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE
+    model: ClassVar[ModelShape] = MODEL
     capabilities = SERVER_CAPABILITIES
-    server_mode: ClassVar[bool] = True
+    metric_names: ClassVar[dict[str, str]] = SERVER_METRICS
+    lazy_counters: ClassVar[frozenset[str]] = frozenset(
+        {"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}
+    )
+    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
+        C.KV_EVENTS,  # attached, the suite binds no event socket
+        C.ABORT_REQUESTS,  # its check judges the event ledger
+    }
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.server: LaunchedServer | None = None
+        self._server_info: dict[str, Any] | None = None
+        self._model_dir: Path | None = None
+        self._tmpdir: Path | None = None
+        self._launches = 0
+
+    def preflight(self) -> None:
+        super().preflight()
+        if self.attached:
+            self.server_info()  # the page size and version come from here: fail now, not per check
+
+    # ---- the environment ------------------------------------------------------------------
+    def spec_data(self) -> dict[str, Any]:
+        return envs.load_spec(self.ctx.env_name or str(self.env_spec)).data
+
+    def cpu_engine(self) -> bool:
+        """The spec says SGLang runs its CPU engine (flags, env and stand-ins follow)."""
+        return bool(self.spec_data().get("cpu_engine", False))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        if config.offload or config.persistent:
+            raise NotImplementedError("SGLang server mode has no offload or persistent tier wired here")
+        super().ensure(config)
+
+    def start(self, config: EngineConfig) -> None:
+        if self.attached:
+            raise EngineError(self.name, "attached: the suite does not start the server")
+        port = free_port()
+        events, replay = self.open_event_subscriber()
+        self._server_info = None
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._launches += 1
+        self._tmpdir = self.ctx.workdir / "sglang-tmp" / str(self._launches)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._tmpdir.mkdir(parents=True)
+        try:
+            self.server = LaunchedServer(
+                self.name,
+                "sglang-server",
+                self.server_argv(config, port, events, replay),
+                self.ctx.workdir,
+                self.url("/health"),
+                env=self.server_env(self._tmpdir),
+                timeout_s=self.ctx.start_timeout_s,
+                session=self.http,
+            )
+            self.server.pids()  # the tree's /dev/shm files, recorded for the teardown audit
+            self.check_resolved(config)
+        except Exception:
+            self.stop()
+            raise
+        self.config = config
+
+    def check_resolved(self, config: EngineConfig) -> None:
+        """The launched server must run at the page size the suite asked for: the oracles are
+        computed from the request, so a server that resolved another one is an error."""
+        asked = config.block_size or self.default_block_size
+        resolved = int(self.server_info()["page_size"])
+        if resolved != asked:
+            raise EngineError(
+                self.name, f"launched with --page-size {asked}, /server_info says {resolved}", self.log_tail()
+            )
+
+    def stop(self) -> list[TeardownReport]:
+        reports = []
+        if self.server is not None:
+            reports.append(self.server.stop())
+            self.server = None
+        if self._tmpdir is not None:  # SGLang's ipc:// socket files
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        self.close_event_subscriber()
+        self._server_info = None
+        self.config = None
+        return reports
+
+    def running(self) -> bool:
+        if self.attached:
+            return self.config is not None
+        return self.server is not None and self.server.process.alive()
+
+    # ---- launch ---------------------------------------------------------------------------
+    def model_dir(self) -> Path:
+        """The tiny Llama-shaped model (config + word-level tokenizer), loaded with dummy weights."""
+        if self._model_dir is None:
+            out = self.ctx.workdir / "model"
+            if not (out / "config.json").exists():
+                m = self.model
+                subprocess.run(
+                    [
+                        str(self.env().python),
+                        str(engine_side_script("make_tiny_model.py")),
+                        str(out),
+                        *("--layers", str(m.layers), "--heads", str(m.kv_heads)),
+                        *("--kv-heads", str(m.kv_heads), "--head-dim", str(m.head_dim)),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=300,
+                )
+                _set_json(out / "config.json", max_position_embeddings=MODEL_CONTEXT_TOKENS)
+                _set_json(out / "tokenizer_config.json", model_max_length=MODEL_CONTEXT_TOKENS)
+            self._model_dir = out
+        return self._model_dir
+
+    def kv_events_config(self, events: str, replay: str) -> dict[str, Any]:
+        """The suite's bound SUB: SGLang's publisher connects to it (`bind` false)."""
+        return {
+            "publisher": "zmq",
+            "endpoint": events,
+            "bind": False,
+            "replay_endpoint": replay,
+            "topic": "kv",
+        }
+
+    def server_argv(self, config: EngineConfig, port: int, events: str, replay: str) -> list[str]:
+        model = os.environ.get(MODEL_ENV)
+        model_args = ["--model-path", model] if model else ["--model-path", str(self.model_dir())]
+        if not model:
+            model_args += ["--load-format", "dummy"]
+        cpu = ["--device", "cpu", "--attention-backend", "torch_native"] if self.cpu_engine() else []
+        return [
+            str(self.env().python),
+            "-m",
+            "sglang.launch_server",
+            *model_args,
+            *cpu,
+            *("--served-model-name", SERVER_MODEL_NAME),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            "--enable-metrics",
+            *("--page-size", str(config.block_size or self.default_block_size)),
+            *("--max-total-tokens", str(SERVER_CAPACITY_TOKENS)),
+            *("--kv-events-config", json.dumps(self.kv_events_config(events, replay))),
+            "--skip-server-warmup",
+            *("--tp", "1"),
+        ]
+
+    def server_env(self, tmpdir: Path) -> dict[str, str]:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0" if os.environ.get(MODEL_ENV) else "1")
+        env = {"HF_HUB_OFFLINE": offline, "TMPDIR": str(tmpdir)}
+        if self.cpu_engine():
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(str(d) for d in STUB_DIRS)
+            env[STANDIN_CALLS_ENV] = str(self.standin_calls_path())
+        return env
+
+    def standin_calls_path(self) -> Path:
+        return self.ctx.workdir / "logs" / "sgl_kernel-standin-calls.log"
+
+    # ---- what the server says about itself ------------------------------------------------
+    def server_info(self) -> dict[str, Any]:
+        """GET /server_info (older servers: /get_server_info), kept for the server's life."""
+        if self._server_info is None:
+            try:
+                resp = self.http.get(self.url("/server_info"), timeout=self.ctx.request_timeout_s)
+                if resp.status_code == 404:
+                    resp = self.http.get(self.url("/get_server_info"), timeout=self.ctx.request_timeout_s)
+            except requests.RequestException as exc:
+                raise EngineError(self.name, f"GET /server_info failed: {exc}", self.log_tail()) from None
+            if resp.status_code != 200:
+                what = f"GET /server_info -> HTTP {resp.status_code}: {resp.text[:200]}"
+                raise EngineError(self.name, what, self.log_tail())
+            info = self._json(resp, "/server_info")
+            if not isinstance(info, dict):
+                raise EngineError(self.name, f"/server_info returned {type(info).__name__}, not an object")
+            try:
+                page = int_field(info, "page_size", "/server_info")
+                if page <= 0:
+                    raise ValueError(f"/server_info.page_size is {page}")
+            except ValueError as exc:
+                raise EngineError(self.name, str(exc)) from None
+            self._server_info = info
+            if self.attached:
+                self.default_block_size = page  # the attached server runs at its own page size
+        return self._server_info
+
+    def attached_version(self) -> str:
+        try:
+            return str(self.server_info().get("version") or "unknown (attached)")
+        except EngineError:
+            return "unknown (attached)"
+
+    def attached_block_size(self) -> int:
+        return int(self.server_info()["page_size"])
+
+    def cache_capacity_tokens(self) -> int:
+        if not self.attached:
+            return SERVER_CAPACITY_TOKENS  # what the suite asked for (--max-total-tokens)
+        try:
+            return int_field(self.server_info(), "max_total_num_tokens", "/server_info")
+        except ValueError as exc:
+            raise EngineError(self.name, str(exc)) from None
+
+    def kv_pool_bytes(self) -> int:
+        raise NotImplementedError("SGLang server mode: the pool size is the server's own")
+
+    # ---- requests -----------------------------------------------------------------------
+    def generate_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+        return {
+            "input_ids": list(tokens),
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+            "stream": stream,
+        }
+
+    def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        answer = self.post_json("/generate", self.generate_body(tokens, max_tokens))
+        return self.served_from_generate(answer, tokens)
+
+    def served_from_generate(self, data: Any, tokens: list[int]) -> ServedPrompt:
+        """One /generate answer -> prompt tokens, cached tokens (by tier when given), output ids."""
+        if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+            raise EngineError(self.name, f"/generate answer has no meta_info object: {str(data)[:200]}")
+        meta = data["meta_info"]
+        try:
+            prompt_tokens = int_field(meta, "prompt_tokens", "meta_info")
+            cached = int_field(meta, "cached_tokens", "meta_info")
+        except ValueError as exc:
+            raise EngineError(self.name, f"/generate: {exc}") from None
+        if prompt_tokens != len(tokens):
+            raise EngineError(
+                self.name,
+                f"/generate counted {prompt_tokens} prompt tokens for {len(tokens)} input_ids: "
+                "the block oracles need the ids served as given",
+            )
+        details = meta.get("cached_tokens_details") or {}
+        source = {k: int(v) for k, v in details.items() if isinstance(v, int) and not isinstance(v, bool)}
+        output = data.get("output_ids") or []
+        return ServedPrompt(prompt_tokens, cached, [int(t) for t in output], source)
+
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
+        try:
+            resp = self.http.post(
+                self.url("/generate"),
+                json=self.generate_body(tokens, 256, stream=True),
+                stream=True,
+                timeout=self.ctx.request_timeout_s,
+            )
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"streaming /generate failed: {exc}", self.log_tail()) from None
+        if resp.status_code != 200:
+            raise EngineError(self.name, f"streaming /generate -> HTTP {resp.status_code}: {resp.text[:200]}")
+        received = 0
+        for line in resp.iter_lines():
+            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                received += 1
+                if received >= after_chunks:
+                    break
+        resp.close()
+        return received
+
+    def metrics(self) -> MetricSnapshot:
+        return self.scrape("/metrics")
+
+    def reset_prefix_cache(self) -> None:
+        deadline = time.monotonic() + RESET_RETRY_S
+        while True:
+            try:
+                resp = self.http.post(
+                    self.url(f"/flush_cache?timeout={FLUSH_WAIT_S}"), timeout=self.ctx.request_timeout_s
+                )
+            except requests.RequestException as exc:
+                raise EngineError(self.name, f"POST /flush_cache failed: {exc}", self.log_tail()) from None
+            if resp.status_code == 200:
+                return
+            if resp.status_code != 400:
+                what = f"POST /flush_cache -> HTTP {resp.status_code}: {resp.text[:200]}"
+                raise EngineError(self.name, what, self.log_tail())
+            if time.monotonic() > deadline:  # 400: not flushed (requests still running or waiting)
+                said = resp.text.strip()[:200]
+                what = f"/flush_cache kept answering 400 for {RESET_RETRY_S:.0f} s: {said!r}"
+                raise EngineError(self.name, what, self.log_tail())
+            time.sleep(0.2)
+
+    def engine_pids(self) -> list[int]:
+        return self.server.pids() if self.server is not None else []
+
+    # ---- engine-internal structures: only the in-process adapter reaches them -------------
+    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
+        raise NotImplementedError("the SGLang radix cache model is in-process only (--engine sglang)")
+
+    # ---- logs -----------------------------------------------------------------------------
+    def log_tail(self, lines: int = 40) -> str:
+        return self.server.log_tail(lines) if self.server is not None else ""
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = {"sglang server": self.log_tail(80)} if self.server is not None else {}
+        if self.subscriber is not None and self.subscriber.decode_errors:
+            logs["kv event decode errors"] = "\n".join(self.subscriber.decode_errors[-20:])
+        with_calls = self.standin_calls_path()
+        if with_calls.exists() and with_calls.stat().st_size:
+            logs["sgl_kernel stand-in calls"] = with_calls.read_text()[-4000:]
+        return logs
+
+
+def _set_json(path: Path, **fields: Any) -> None:
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data, indent=1))
