@@ -5,16 +5,37 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 
-def prefix_hit_tokens(shared: int, prompt_len: int, block: int, recomputes_last_token: bool) -> int:
+class LastToken(StrEnum):
+    """What an engine does when every token of a prompt is cached: it still needs the last
+    token's logits, so it recomputes something (an engine's documented design, not a number)."""
+
+    NONE = "none"  # a cache store, not a server: every stored block is returned
+    BLOCK = "block"  # the last token is recomputed with its whole block (vLLM, SGLang)
+    TOKEN = "token"  # the KV is trimmed by one token, the rest is served (oMLX)
+
+
+def prefix_hit_tokens(
+    shared: int, prompt_len: int, block: int, recomputes_last_token: bool | LastToken
+) -> int:
     """Tokens a block-granular prefix cache can serve: whole blocks of the shared prefix.
 
     A serving engine computes at least the prompt's last token (it needs its logits), so a
-    prompt that is entirely cached is served from one token fewer.
+    prompt that is entirely cached is served from one token fewer: the whole last block on a
+    block-granular cache (True = LastToken.BLOCK), that token alone where the engine trims
+    its KV (LastToken.TOKEN).
     """
-    usable = min(shared, prompt_len - 1 if recomputes_last_token else prompt_len)
-    return max(usable, 0) // block * block
+    rule = (
+        LastToken(recomputes_last_token)
+        if isinstance(recomputes_last_token, str)
+        else (LastToken.BLOCK if recomputes_last_token else LastToken.NONE)
+    )
+    whole = max(min(shared, prompt_len), 0) // block * block
+    if rule is LastToken.NONE or whole < prompt_len:
+        return whole
+    return prompt_len - 1 if rule is LastToken.TOKEN else max(prompt_len - 1, 0) // block * block
 
 
 def pages(tokens: int, page_size: int) -> int:

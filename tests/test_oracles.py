@@ -98,3 +98,13 @@ def test_theil_sen_short_series() -> None:
     single = theil_sen([5.0])
     assert (single.slope, single.intercept) == (0.0, 5.0)
     assert theil_sen([1.0, 3.0]).slope == 2.0
+
+
+def test_an_engine_that_trims_its_kv_by_a_token_serves_all_but_one() -> None:
+    from kvconform.oracles import LastToken
+
+    assert prefix_hit_tokens(2560, 2560, 256, LastToken.TOKEN) == 2559  # block-aligned, all cached
+    assert prefix_hit_tokens(2560, 2560, 256, LastToken.BLOCK) == 2304
+    assert prefix_hit_tokens(600, 600, 256, LastToken.TOKEN) == 512  # the partial block is never cached
+    assert prefix_hit_tokens(300, 600, 256, LastToken.TOKEN) == 256
+    assert prefix_hit_tokens(2560, 2560, 256, LastToken.NONE) == 2560

@@ -34,6 +34,7 @@ from kvconform.kit.server import wait_http_ok
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot, parse_prometheus
+from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
 
 
@@ -55,7 +56,7 @@ class EngineAdapter(ABC):
     default_block_size: ClassVar[int] = 16
     # Serving engines compute at least the last prompt token, so a fully cached prompt hits
     # one block less; pure cache stores return every stored block.
-    recomputes_last_token: ClassVar[bool] = True
+    recomputes_last_token: ClassVar[bool | LastToken] = True
     # Logical metric -> this engine's metric name (Prometheus sample name).
     metric_names: ClassVar[dict[str, str]] = {}
     # Logical counters the engine exports only after their first event (absent reads 0).

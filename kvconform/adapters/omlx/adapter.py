@@ -59,6 +59,7 @@ from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
+from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
 
 DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
@@ -105,12 +106,10 @@ class OmlxAdapter(EngineAdapter):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
     default_block_size = BLOCK_SIZE
-    recomputes_last_token = True
     # An exact block-aligned hit is served from N-1 tokens: oMLX trims the reconstructed cache
     # by one token to compute the last (omlx/scheduler.py, _trim_prompt_cache_for_generation),
-    # where a block-granular cache drops the whole last block. Read by the oracle once the
-    # harness knows this rule (proposed with issue #13); until then the aligned check fails.
-    trims_last_token = True
+    # where a block-granular cache drops the whole last block.
+    recomputes_last_token = LastToken.TOKEN
     model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
     capabilities = frozenset(
         {
