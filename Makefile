@@ -4,10 +4,10 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-REAL_ENGINES ?= vllm lmcache sglang dynamo
+REAL_ENGINES ?= vllm lmcache sglang dynamo omlx
 RESULTS ?= results
 
-.PHONY: main test lint selftest engines venv clean
+.PHONY: main test lint envs selftest engines venv clean
 
 venv: $(VENV)/.ready
 
@@ -26,7 +26,7 @@ main: venv
 
 # The project's tests: lint, harness self-tests + mutation matrix + contract tests, then the
 # suites against the real engines (each in its own cached environment).
-test: lint selftest engines
+test: lint envs selftest engines
 
 lint: venv
 	$(BIN)/ruff check .
@@ -34,8 +34,12 @@ lint: venv
 selftest: venv
 	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/engines --results-dir $(RESULTS)/selftest
 
-engines: venv
+# Engine environments first: self-tests that launch a real engine (e.g. tests/test_omlx_launch.py)
+# then run instead of skipping.
+envs: venv
 	$(BIN)/kvconform env build $(REAL_ENGINES)
+
+engines: envs
 	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
 	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs
 	$(BIN)/python -m pytest tests/engines --results-dir $(RESULTS)/attach
