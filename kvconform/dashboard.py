@@ -320,10 +320,9 @@ def render_html(dash: Dashboard) -> str:
         "<h1>kvconform conformance dashboard</h1>"
         f'<div class="headline" id="headline">{e(headline(dash.counts))} — {total} checks</div>'
         f'<div class="meta" id="versions">{meta}</div>'
-        f'<div class="legend">{legend}</div><br>'
         f'<table id="dashboard"><thead><tr><th>Promise</th><th>Check</th>{columns}</tr></thead><tbody>'
         + "".join(rows)
-        + "</tbody></table></body></html>\n"
+        + f'</tbody></table><br><div class="legend">{legend}</div></body></html>\n'
     )
 
 
