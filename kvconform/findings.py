@@ -1,16 +1,32 @@
 """The known-failures manifest: real-engine failures recorded as findings, run as strict xfail.
 
-A finding names the engine, its version, the check and the numbers measured when it was
-found. It applies only to that version: a new release that still fails shows red (update the
-manifest), one that now passes shows XPASS(strict) red too (remove the entry).
+A finding names the engine, its version, the check, the measure(s) that fail with their
+direction, and the numbers measured when it was found. It applies only to that version: a new
+release that still fails shows red (update the manifest), one that now passes shows
+XPASS(strict) red too (remove the entry).
+
+The xfail is narrower than pytest's: it holds only if the check concluded its verdict with
+exactly the finding's measures VIOLATED, each in its direction (`judge`). A crash, a timeout,
+a failure before the verdict, or another measure violated (as well or instead) is a plain
+failure whose message says what the finding expected and what happened.
+
+    measures = { "server_shm_mapped_bytes.leak_slope" = "above" }   # name (glob) -> direction
+    measures = ["server_shm_mapped_bytes.leak_slope"]               # any direction
+    numbers = { "server_shm_mapped_bytes.leak_slope" = 4194304.0 }  # measured (optional)
+
+Directions: "above" (the value is above its bound: a `<=`/`==` expectation broken upwards),
+"below", or "any".
 """
 
 from __future__ import annotations
 
+import math
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +34,19 @@ from kvconform.checkids import matches
 
 MANIFEST_NAME = "known-failures.toml"  # in each adapter's package: the findings on its engine
 ENTRY_KEY = pytest.StashKey["Finding"]()
+DIRECTIONS = ("above", "below", "any")
+
+
+@dataclass(frozen=True)
+class ExpectedMeasure:
+    pattern: str  # a measure name, or a glob over measure names
+    direction: str = "any"
+
+    def matches(self, name: str, direction: str) -> bool:
+        return fnmatchcase(name, self.pattern) and self.direction in ("any", direction)
+
+    def describe(self) -> str:
+        return self.pattern if self.direction == "any" else f"{self.pattern} ({self.direction})"
 
 
 @dataclass(frozen=True)
@@ -27,11 +56,88 @@ class Finding:
     check: str
     measured: str
     summary: str
+    measures: tuple[ExpectedMeasure, ...] = ()
+    numbers: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     link: str = ""
 
     def reason(self) -> str:
         text = f"finding on {self.engine} {self.version}: {self.summary} (measured: {self.measured})"
+        if self.measures:
+            text += "; fails on " + ", ".join(m.describe() for m in self.measures)
         return f"{text} [{self.link}]" if self.link else text
+
+    def measure_names(self) -> list[str]:
+        return [m.pattern for m in self.measures]
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """Whether a finding's check failed the way the finding says (then it is xfailed)."""
+
+    expected: bool
+    explanation: str  # why not, for the failure message; empty when expected
+    violated: tuple[str, ...] = ()  # "name (direction)" of every violated measure seen
+
+
+def violation_direction(measure: Any) -> str:
+    """ "above" / "below" the bound for a violated numeric expectation; "any" if not numeric."""
+    value, bound = getattr(measure, "value", None), getattr(measure, "bound", None)
+    if not _is_number(value) or not _is_number(bound):
+        return "any"
+    if math.isnan(float(value)):
+        return "any"
+    if float(value) > float(bound):
+        return "above"
+    if float(value) < float(bound):
+        return "below"
+    return "below" if getattr(measure, "op", None) in (">", "!=") else "above"  # strict op at the bound
+
+
+def judge(entry: Finding, failed: BaseException | None, verdict: Any) -> Judgement:
+    """Did the check fail exactly on the finding's measures, in their directions?
+
+    `failed` is the exception the check raised (None if it passed); `verdict` its Verdict
+    (None if it used none). Only an AssertionError raised by `Verdict.conclude()` counts.
+    """
+    if failed is None:
+        return Judgement(False, "the check passed (XPASS(strict)): remove the finding from the manifest")
+    concluded_with = getattr(verdict, "concluded_failure", None) if verdict is not None else None
+    if concluded_with is None or concluded_with is not failed:
+        kind = type(failed).__name__
+        first = (str(failed).strip().splitlines() or [""])[0][:300]
+        return Judgement(
+            False,
+            f"the finding expects {_names(entry)} VIOLATED, but the check failed otherwise "
+            f"(not on its verdict): {kind}: {first}",
+        )
+    seen = [(m.name, violation_direction(m)) for m in verdict.failures]
+    labels = tuple(f"{n} ({d})" if d != "any" else n for n, d in seen)
+    if not entry.measures:
+        return Judgement(False, "the finding names no measures: add `measures` to its manifest entry", labels)
+    unexpected = [
+        label
+        for (n, d), label in zip(seen, labels, strict=True)
+        if not any(e.matches(n, d) for e in entry.measures)
+    ]
+    unseen = [e.describe() for e in entry.measures if not any(e.matches(n, d) for n, d in seen)]
+    if not unexpected and not unseen:
+        return Judgement(True, "", labels)
+    parts = []
+    if unexpected:
+        parts.append("violated beyond the finding: " + ", ".join(unexpected))
+    if unseen:
+        parts.append("the finding's measures not violated so: " + ", ".join(unseen))
+    return Judgement(
+        False, f"the finding expects exactly {_names(entry)} VIOLATED; " + "; ".join(parts), labels
+    )
+
+
+def _names(entry: Finding) -> str:
+    return ", ".join(m.describe() for m in entry.measures) or "(no measures named)"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -79,7 +185,8 @@ def _load_one(source: Path) -> list[Finding]:
     with source.open("rb") as fh:
         data = tomllib.load(fh)
     entries = []
-    for raw in data.get("finding", []):
+    for i, raw in enumerate(data.get("finding", [])):
+        where = f"{source}: finding {i + 1} ({raw.get('check', '?')})"
         entries.append(
             Finding(
                 engine=raw["engine"],
@@ -87,7 +194,37 @@ def _load_one(source: Path) -> list[Finding]:
                 check=raw["check"],
                 measured=raw["measured"],
                 summary=raw["summary"],
+                measures=_expected_measures(raw.get("measures"), where),
+                numbers=_numbers(raw.get("numbers", {}), where),
                 link=raw.get("link", ""),
             )
         )
     return entries
+
+
+def _expected_measures(raw: Any, where: str) -> tuple[ExpectedMeasure, ...]:
+    from kvconform.errors import UsageError
+
+    if not raw:
+        raise UsageError(f"{where}: names no `measures` (the measure(s) that fail, and their direction)")
+    if isinstance(raw, dict):
+        items: Sequence[tuple[Any, Any]] = list(raw.items())
+    elif isinstance(raw, list):
+        items = [(name, "any") for name in raw]
+    else:
+        raise UsageError(f"{where}: `measures` must be a list of names or a table name -> direction")
+    out = []
+    for name, direction in items:
+        if not isinstance(name, str) or not name or direction not in DIRECTIONS:
+            choices = ", ".join(DIRECTIONS)
+            raise UsageError(f"{where}: measure {name!r} -> {direction!r}: want a name and one of {choices}")
+        out.append(ExpectedMeasure(name, direction))
+    return tuple(out)
+
+
+def _numbers(raw: Any, where: str) -> dict[str, float]:
+    from kvconform.errors import UsageError
+
+    if not isinstance(raw, dict) or not all(_is_number(v) for v in raw.values()):
+        raise UsageError(f"{where}: `numbers` must be a table measure name -> measured number")
+    return {str(k): float(v) for k, v in raw.items()}

@@ -39,14 +39,22 @@ class Measure:
     better: Better = None  # for the gate: which direction is a regression
     tolerance: float = 0.0  # for the gate: change within this is noise
     note: str = ""
+    inconclusive: bool = False  # a noisy estimate whose confidence band straddles the bound
 
     def describe(self) -> str:
         unit = f" {self.unit}" if self.unit else ""
         if self.op is None:
             return f"{self.name} = {_fmt(self.value)}{unit}"
-        mark = "ok" if self.ok else "VIOLATED"
+        mark = "INCONCLUSIVE" if self.inconclusive else "ok" if self.ok else "VIOLATED"
         text = f"{self.name} = {_fmt(self.value)}{unit}, expected {self.op} {_fmt(self.bound)}{unit} [{mark}]"
         return f"{text} ({self.note})" if self.note else text
+
+
+class Inconclusive(AssertionError):
+    """A check whose noisy estimate could not be told apart from its bound: never a pass."""
+
+
+INCONCLUSIVE = "INCONCLUSIVE"
 
 
 class Verdict:
@@ -58,6 +66,8 @@ class Verdict:
         self.measures: list[Measure] = []
         self.series: dict[str, list[tuple[float, float]]] = {}
         self.concluded = False
+        # The AssertionError conclude() raised: a known finding's xfail holds only for it.
+        self.concluded_failure: AssertionError | None = None
 
     def record(
         self,
@@ -102,6 +112,51 @@ class Verdict:
         )
         return ok
 
+    def expect_banded(
+        self,
+        name: str,
+        estimate: float,
+        band: tuple[float, float],
+        op: str,
+        bound: float,
+        unit: str = "",
+        better: Better = None,
+        tolerance: float = 0.0,
+        note: str = "",
+    ) -> bool | None:
+        """A noisy estimate with a confidence band: it holds when the whole band satisfies the
+        bound, is VIOLATED when the whole band breaks it, and is INCONCLUSIVE (never a pass)
+        when the band straddles it. Returns True / False / None accordingly."""
+        if op not in ("<=", "<", ">=", ">"):
+            raise ValueError(f"a banded expectation needs an order comparison, not {op!r}")
+        low, high = sorted(band)
+        if any(math.isnan(x) for x in (estimate, low, high)):
+            state: bool | None = False
+        else:
+            holds_all = _OPS[op](high, bound) if op in ("<=", "<") else _OPS[op](low, bound)
+            breaks_all = not _OPS[op](low, bound) if op in ("<=", "<") else not _OPS[op](high, bound)
+            state = True if holds_all else False if breaks_all else None
+        text = f"band [{_fmt(low)}, {_fmt(high)}]" + (f"; {note}" if note else "")
+        self.measures.append(
+            Measure(
+                name,
+                _plain(estimate),
+                unit,
+                op,
+                _plain(bound),
+                state,
+                better,
+                tolerance,
+                text,
+                inconclusive=state is None,
+            )
+        )
+        return state
+
+    @property
+    def undecided(self) -> list[Measure]:
+        return [m for m in self.measures if m.inconclusive]
+
     def equal(self, name: str, observed: float, expected: float, unit: str = "", **kw: Any) -> bool:
         return self.expect(name, observed, "==", expected, unit, better=kw.pop("better", "exact"), **kw)
 
@@ -123,7 +178,16 @@ class Verdict:
         if self.failures:
             head = f"[{self.engine}] {self.check}: " + "; ".join(m.describe() for m in self.failures)
             body = "\nall measurements:\n" + self.summary()
-            raise AssertionError(head + (f"\n{context}" if context else "") + body)
+            if self.undecided:
+                body = "\n" + INCONCLUSIVE + " as well: " + ", ".join(m.name for m in self.undecided) + body
+            self.concluded_failure = AssertionError(head + (f"\n{context}" if context else "") + body)
+            raise self.concluded_failure
+        if self.undecided:
+            head = f"{INCONCLUSIVE} [{self.engine}] {self.check}: " + "; ".join(
+                m.describe() for m in self.undecided
+            )
+            body = "\nall measurements:\n" + self.summary()
+            raise Inconclusive(head + (f"\n{context}" if context else "") + body)
 
     def as_dict(self) -> dict[str, Any]:
         return {"measures": [asdict(m) for m in self.measures]}
@@ -141,6 +205,8 @@ class CheckRecord:
     measures: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
     finding: str = ""  # known-failure manifest entry that expected this
+    finding_measures: list[str] = field(default_factory=list)  # the measures it expects VIOLATED
+    violated: list[str] = field(default_factory=list)  # the measures this run violated
     written_at: float = field(default_factory=time.time)
 
 

@@ -9,12 +9,14 @@ import pytest
 from kvconform import findings
 from kvconform.errors import UsageError
 from kvconform.findings import Finding, Manifest
+from kvconform.results import Inconclusive, Verdict
 
 MANIFEST = """
 [[finding]]
 engine = "lmcache"
 version = "0.5.*"
 check = "transfer::test_bytes[mla-4-*]"
+measures = { "bytes_sent" = "below" }
 measured = "sent 1.0x, expected 4.0x"
 summary = "fan-out not counted"
 link = "https://example.invalid/issue/1"
@@ -23,6 +25,7 @@ link = "https://example.invalid/issue/1"
 engine = "vllm"
 version = "0.11.0"
 check = "memory_reclaim::test_churn_returns_to_baseline[?estart]"
+measures = ["leftover_processes.final_delta"]
 measured = "+2 processes"
 summary = "orphans"
 """
@@ -39,8 +42,8 @@ def test_load(manifest: Manifest) -> None:
     assert [(f.engine, f.version) for f in manifest.entries] == [("lmcache", "0.5.*"), ("vllm", "0.11.0")]
     first = manifest.entries[0]
     assert first.reason() == (
-        "finding on lmcache 0.5.*: fan-out not counted (measured: sent 1.0x, expected 4.0x) "
-        "[https://example.invalid/issue/1]"
+        "finding on lmcache 0.5.*: fan-out not counted (measured: sent 1.0x, expected 4.0x); "
+        "fails on bytes_sent (below) [https://example.invalid/issue/1]"
     )
     assert manifest.entries[1].link == ""
     assert not manifest.entries[1].reason().endswith("]")
@@ -73,7 +76,9 @@ def test_missing_manifest_is_an_error_naming_it(tmp_path: Path) -> None:
 
 def test_missing_field_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text('[[finding]]\nengine = "x"\nversion = "1"\ncheck = "c"\nsummary = "s"\n')
+    path.write_text(
+        '[[finding]]\nengine = "x"\nversion = "1"\ncheck = "c"\nsummary = "s"\nmeasures = ["m"]\n'
+    )
     with pytest.raises(KeyError, match="measured"):
         findings.load(str(path))
 
@@ -82,4 +87,148 @@ def test_shipped_manifests_load() -> None:
     manifest = findings.load(None, engines=["vllm", "lmcache", "sglang", "dynamo"])
     assert {f.engine for f in manifest.entries} == {"lmcache", "sglang", "dynamo"}
     assert all(isinstance(f, Finding) and f.engine and f.version and f.check for f in manifest.entries)
+    assert all(f.measures for f in manifest.entries), "every finding names the measures that fail"
+    assert all(set(f.numbers) <= set(f.measure_names()) for f in manifest.entries)
     assert all("::" in f.check for f in manifest.entries), "check patterns are suite::test ids"
+
+
+# ------------------------------------------------------------------ measures of a finding, judged
+
+MEASURED = """
+[[finding]]
+engine = "lmcache"
+version = "0.5.6"
+check = "memory_reclaim::test_churn_returns_to_baseline[unregister]"
+measures = { "server_shm_mapped_bytes.leak_slope" = "above", "server_shm_mapped_bytes.final_delta" = "above" }
+numbers = { "server_shm_mapped_bytes.leak_slope" = 4194304 }
+measured = "+4 MiB per cycle"
+summary = "kept mapped"
+
+[[finding]]
+engine = "dynamo"
+version = "1.6.1"
+check = "transfer::test_block_tracker_ownership_and_drain"
+measures = ["free_*_status"]
+measured = "200"
+summary = "double free ok"
+"""
+
+
+@pytest.fixture
+def measured(tmp_path: Path) -> Manifest:
+    path = tmp_path / "measured.toml"
+    path.write_text(MEASURED)
+    return findings.load(str(path))
+
+
+def leak_verdict(shm_slope: float, rss_slope: float = 0.0, shm_delta: float = 16 * 2**20) -> Verdict:
+    v = Verdict("memory_reclaim::test_churn_returns_to_baseline[unregister]", "lmcache")
+    v.expect("server_shm_mapped_bytes.final_delta", shm_delta, "<=", 8192)
+    v.expect("server_shm_mapped_bytes.leak_slope", shm_slope, "<=", 8192)
+    v.expect("server_rss_bytes.leak_slope", rss_slope, "<=", 2 * 2**20)
+    return v
+
+
+def concluded(v: Verdict) -> AssertionError | None:
+    try:
+        v.conclude()
+    except AssertionError as exc:
+        return exc
+    return None
+
+
+def test_measures_and_numbers_load(measured: Manifest) -> None:
+    leak, tracker = measured.entries
+    assert [(m.pattern, m.direction) for m in leak.measures] == [
+        ("server_shm_mapped_bytes.leak_slope", "above"),
+        ("server_shm_mapped_bytes.final_delta", "above"),
+    ]
+    assert leak.numbers == {"server_shm_mapped_bytes.leak_slope": 4194304.0}
+    assert [(m.pattern, m.direction) for m in tracker.measures] == [("free_*_status", "any")]
+    assert "fails on server_shm_mapped_bytes.leak_slope (above)" in leak.reason()
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("", "names no `measures`"),
+        ('measures = { "x" = "sideways" }\n', "one of above, below, any"),
+        ('measures = "x"\n', "must be a list"),
+        ('measures = ["x"]\nnumbers = { "x" = "many" }\n', "`numbers` must be a table"),
+    ],
+)
+def test_bad_measures_are_errors_naming_the_entry(tmp_path: Path, text: str, complaint: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        '[[finding]]\nengine = "x"\nversion = "1"\ncheck = "a::b"\nmeasured = "m"\nsummary = "s"\n' + text
+    )
+    with pytest.raises(UsageError, match=r"bad\.toml: finding 1 \(a::b\)") as err:
+        findings.load(str(path))
+    assert complaint in str(err.value)
+
+
+def test_exactly_the_finding_measures_violated_is_expected(measured: Manifest) -> None:
+    v = leak_verdict(4194304.0)
+    judged = findings.judge(measured.entries[0], concluded(v), v)
+    assert judged.expected, judged.explanation
+    assert judged.violated == (
+        "server_shm_mapped_bytes.final_delta (above)",
+        "server_shm_mapped_bytes.leak_slope (above)",
+    )
+
+
+def test_another_measure_violated_as_well_is_a_failure(measured: Manifest) -> None:
+    v = leak_verdict(4194304.0, rss_slope=9e6)
+    judged = findings.judge(measured.entries[0], concluded(v), v)
+    assert not judged.expected
+    assert "violated beyond the finding: server_rss_bytes.leak_slope (above)" in judged.explanation
+
+
+def test_a_finding_measure_no_longer_violated_is_a_failure(measured: Manifest) -> None:
+    v = leak_verdict(4194304.0, shm_delta=0.0)
+    judged = findings.judge(measured.entries[0], concluded(v), v)
+    assert not judged.expected
+    assert "not violated so: server_shm_mapped_bytes.final_delta (above)" in judged.explanation
+
+
+def test_the_wrong_direction_is_a_failure(measured: Manifest) -> None:
+    v = leak_verdict(4194304.0)
+    v.measures[0].value = -16 * 2**20  # the same measure, broken the other way (as if with ==)
+    v.measures[0].op = "=="
+    judged = findings.judge(measured.entries[0], concluded(v), v)
+    assert not judged.expected
+    assert "server_shm_mapped_bytes.final_delta (below)" in judged.explanation
+
+
+def test_crash_timeout_or_early_assert_is_a_failure(measured: Manifest) -> None:
+    v = leak_verdict(4194304.0)  # the numbers would match, but conclude() never raised
+    for exc in (RuntimeError("engine lmcache: server died"), AssertionError("a bare assert"), TimeoutError()):
+        judged = findings.judge(measured.entries[0], exc, v)
+        assert not judged.expected
+        assert "failed otherwise (not on its verdict)" in judged.explanation
+        assert type(exc).__name__ in judged.explanation
+    assert not findings.judge(measured.entries[0], RuntimeError("x"), None).expected
+
+
+def test_a_pass_is_xpass_strict(measured: Manifest) -> None:
+    judged = findings.judge(measured.entries[0], None, leak_verdict(0.0, shm_delta=0.0))
+    assert not judged.expected
+    assert "XPASS(strict)" in judged.explanation
+
+
+def test_globs_and_any_direction(measured: Manifest) -> None:
+    v = Verdict("transfer::test_block_tracker_ownership_and_drain", "dynamo")
+    v.equal("free_unknown_request_status", 200, 404)
+    v.equal("register_status", 201, 201)
+    assert findings.judge(measured.entries[1], concluded(v), v).expected
+    v2 = Verdict("transfer::test_block_tracker_ownership_and_drain", "dynamo")
+    v2.equal("register_status", 500, 201)
+    assert not findings.judge(measured.entries[1], concluded(v2), v2).expected
+
+
+def test_inconclusive_is_not_the_finding(measured: Manifest) -> None:
+    v = Verdict("memory_reclaim::test_churn_returns_to_baseline[unregister]", "lmcache")
+    v.expect_banded("server_rss_bytes.leak_slope", 2.6e6, (4096, 7.6e6), "<=", 2 * 2**20)
+    exc = concluded(v)
+    assert isinstance(exc, Inconclusive)
+    assert not findings.judge(measured.entries[0], exc, v).expected

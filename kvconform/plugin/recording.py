@@ -19,10 +19,35 @@ from kvconform.plugin.collection import check_id, engine_of
 from kvconform.plugin.fixtures import outcome_key, verdict_key
 from kvconform.plugin.session import kv_session, results_dir, selected_engines
 from kvconform.processes import stop_all_live
-from kvconform.results import CheckRecord, RecordWriter, merge
+from kvconform.results import CheckRecord, Inconclusive, RecordWriter, Verdict, merge
 
 RECORD_KEY = "kvconform-record"
+INCONCLUSIVE_KEY = "kvconform-inconclusive"
 _results_path_key = pytest.StashKey[Path]()
+_inconclusive_key = pytest.StashKey[bool]()
+
+
+def _judge_finding(
+    item: pytest.Item,
+    rep: pytest.TestReport,
+    call: pytest.CallInfo[None],
+    entry: findings.Finding,
+    verdict: Verdict | None,
+) -> None:
+    """A known finding's strict xfail: xfailed only if the check's verdict failed on exactly
+    the finding's measures; a pass is XPASS(strict), anything else a failure saying why."""
+    failed = call.excinfo.value if call.excinfo is not None else None
+    judged = findings.judge(entry, failed, verdict)
+    if judged.expected:
+        rep.outcome = "skipped"
+        rep.wasxfail = entry.reason()  # pytest's own xfailed status (terminal, allure, records)
+        return
+    rep.outcome = "failed"
+    head = "[XPASS(strict)] " if failed is None else "[finding mismatch] "
+    lines = [head + judged.explanation, f"finding: {entry.reason()}"]
+    original = rep.longreprtext if failed is not None else ""
+    text = "\n".join(f"E   {ln}" for ln in lines)
+    rep.longrepr = text + ("\n\n" + original if original else "")
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -37,9 +62,15 @@ class Recording:
     def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
         outcome = yield
         rep: pytest.TestReport = outcome.get_result()
-        if rep.when == "call":
-            item.stash[outcome_key] = rep.outcome
         verdict = item.stash.get(verdict_key, None)
+        entry = item.stash.get(findings.ENTRY_KEY, None)
+        if rep.when == "call":
+            if entry is not None and not rep.skipped:
+                _judge_finding(item, rep, call, entry, verdict)
+            item.stash[outcome_key] = rep.outcome
+            if rep.failed and call.excinfo is not None and isinstance(call.excinfo.value, Inconclusive):
+                item.stash[_inconclusive_key] = True
+                rep.user_properties.append((INCONCLUSIVE_KEY, "1"))
         name = engine_of(item)
         if rep.failed and name is not None:
             report.attach_failure_context(item, kv_session(item.config).adapters.get(name))
@@ -52,10 +83,13 @@ class Recording:
                 "engine": name or "-",
                 "engine_version": adapter.version if adapter else "-",
                 "measures": verdict.as_dict()["measures"] if verdict else [],
+                "violated": [m.name for m in verdict.failures] if verdict else [],
             }
-            entry = item.stash.get(findings.ENTRY_KEY, None)
+            if item.stash.get(_inconclusive_key, False):
+                payload["inconclusive"] = True
             if entry is not None:
                 payload["finding"] = entry.reason()
+                payload["finding_measures"] = [m.describe() for m in entry.measures]
             rep.user_properties.append((RECORD_KEY, json.dumps(payload)))
 
     @staticmethod
@@ -108,6 +142,8 @@ class RecordCollector:
         state["duration"] += report.duration
         if report.failed:
             state["outcome"] = "failed" if report.when == "call" else "error"
+            if report.when == "call" and any(k == INCONCLUSIVE_KEY for k, _ in report.user_properties):
+                state["outcome"] = "inconclusive"  # not decided either way: never a pass
             state["message"] = state["message"] or _short_message(report)
         elif report.skipped:
             if hasattr(report, "wasxfail"):
@@ -137,6 +173,8 @@ class RecordCollector:
                 measures=payload["measures"],
                 message=state["message"][:4000],
                 finding=payload.get("finding", ""),
+                finding_measures=payload.get("finding_measures", []),
+                violated=payload.get("violated", []),
             )
         )
 
