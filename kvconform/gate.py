@@ -12,8 +12,16 @@ What blocks (exit 1):
   no longer run      passed in the baseline, skipped in the candidate: coverage was lost
   measure regression a numeric measure moved beyond its tolerance in the wrong direction
                      (`better`: higher / lower / exact), or an expectation that held is violated
-What does not: fixed checks, improvements, checks still failing in both, new or newly run
-checks that pass, checks that failed in the baseline and are skipped in the candidate.
+  fails otherwise    a check failing (or a known finding) in both, where the candidate violates
+                     a measure the baseline did not, or fails with no violated measure at all
+                     (a crash, a timeout, INCONCLUSIVE) where the baseline failed on measures
+What does not: fixed checks, improvements, checks still failing in both on the same measures,
+new or newly run checks that pass, checks that failed in the baseline and are skipped in the
+candidate.
+
+Known findings (xfailed) and checks failing in both are compared number by number like any
+other: a known leak whose slope doubles is a measure regression.
+An `inconclusive` outcome (a noisy measure that could not be decided) counts as failing.
 Exit 0 when nothing blocks, 2 on unreadable input (one line on stderr).
 
 Tolerance is absolute, in the measure's unit. For `exact` measures with a numeric bound, the
@@ -32,7 +40,7 @@ from typing import Any, TextIO
 from kvconform.errors import KvconformError
 from kvconform.results import load_records
 
-FAILING = frozenset({"failed", "error"})
+FAILING = frozenset({"failed", "error", "inconclusive"})
 PASSING = frozenset({"passed", "xpassed"})
 KNOWN = "xfailed"
 NOT_RUN = frozenset({"skipped", "deselected"})
@@ -149,7 +157,7 @@ def compare(baseline: Results, candidate: Results) -> GateResult:
             result.rows += rows
         else:
             result.unchanged += 1
-    order = {"new failure": 0, "missing": 1, "no longer run": 2, "regression": 3}
+    order = {"new failure": 0, "fails otherwise": 1, "missing": 2, "no longer run": 3, "regression": 4}
     result.rows.sort(key=lambda r: (not r.blocking, order.get(r.verdict, 9), r.engine, r.check))
     return result
 
@@ -173,17 +181,18 @@ def _compare_outcomes(
         if b in NOT_RUN:
             return []  # it never ran in the baseline either
         return [Row("missing", engine, check, f"{b} in baseline, no record in candidate", True)]
+    if base is not None and (c in FAILING or c == KNOWN) and (b in FAILING or b == KNOWN):
+        otherwise = _fails_otherwise(base, cand)
+        if otherwise:
+            return [Row("fails otherwise", engine, check, f"{transition}: {otherwise}", True)]
+        if b == KNOWN and c == KNOWN:
+            return []
+        why = " (known finding in baseline, fails in candidate)" if b == KNOWN else ""
+        return [Row("still failing", engine, check, transition + why, False)]
     if c in FAILING:
-        if b in FAILING:
-            return [Row("still failing", engine, check, transition, False)]
-        if b == KNOWN:
-            why = "known finding in baseline, fails in candidate"
-            return [Row("still failing", engine, check, f"{transition} ({why})", False)]
         detail = transition + (f": {_first_line(cand)}" if _first_line(cand) else "")
         return [Row("new failure", engine, check, detail, True)]
     if c == KNOWN:
-        if b in FAILING or b == KNOWN:
-            return [] if b == KNOWN else [Row("still failing", engine, check, transition, False)]
         finding = str(cand.get("finding") or "").strip()
         detail = transition + (f": {finding}" if finding else "")
         return [Row("new failure", engine, check, detail, True)]
@@ -203,6 +212,36 @@ def _compare_outcomes(
             return [Row("not run", engine, check, transition, False)]
         return []
     return [Row("changed", engine, check, transition, b != c and b in PASSING)]
+
+
+def violated(rec: dict[str, Any]) -> set[str]:
+    """The measures a record violated (its `violated` list, else its measures' ok=False)."""
+    listed = rec.get("violated")
+    if isinstance(listed, list):
+        return {str(n) for n in listed}
+    return {
+        str(m.get("name")) for m in rec.get("measures") or [] if isinstance(m, dict) and m.get("ok") is False
+    }
+
+
+def _fails_otherwise(base: dict[str, Any], cand: dict[str, Any]) -> str:
+    """Why a check failing in both fails differently in the candidate ('' if it does not)."""
+    was, now = violated(base), violated(cand)
+    if was and not now:
+        outcome = _outcome(cand)
+        line = _first_line(cand)
+        return f"failed on {', '.join(sorted(was))} in baseline, now {outcome} on no measure" + (
+            f" ({line})" if line else ""
+        )
+    new = now - was
+    if new:
+        return (
+            "violates "
+            + ", ".join(sorted(new))
+            + " as well"
+            + (f" (baseline: {', '.join(sorted(was))})" if was else " (baseline failed on no measure)")
+        )
+    return ""
 
 
 def _number(value: Any) -> float | None:
@@ -305,7 +344,15 @@ _PLURAL = {"new failure", "regression", "improvement", "new check"}
 
 
 def _summary(result: GateResult) -> str:
-    verdicts = ("new failure", "missing", "no longer run", "regression", "fixed", "improvement")
+    verdicts = (
+        "new failure",
+        "fails otherwise",
+        "missing",
+        "no longer run",
+        "regression",
+        "fixed",
+        "improvement",
+    )
     pieces = []
     for verdict in (*verdicts, "new check", "now runs", "still failing", "not run", "changed"):
         n = result.count(verdict)

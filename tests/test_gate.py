@@ -265,3 +265,61 @@ def test_cli_dispatches_to_the_gate(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert cli_main(["gate", base, cand, "--markdown"]) == 1
     assert "| :x: | new failure |" in capsys.readouterr().out
     assert cli_main(["gate", base, base]) == 0
+
+
+# ---------------------------------------------------------- known findings: numbers and manner
+
+
+def leak(slope: float, ok: bool = False, name: str = "shm.leak_slope", tol: float = 0.0) -> dict:
+    return measure(name, slope, "lower", tol, op="<=", bound=8192, ok=ok, unit="bytes/cycle")
+
+
+def test_known_leak_that_doubles_is_a_regression(tmp_path: Path) -> None:
+    base = [record("m::churn", "xfailed", measures=[leak(4194304.0)], finding="finding on lmcache 0.5.6")]
+    cand = [record("m::churn", "xfailed", measures=[leak(8388608.0)], finding="finding on lmcache 0.5.6")]
+    assert verdicts(tmp_path, base, cand) == {("regression", "m::churn :: shm.leak_slope"): "blocking"}
+
+
+def test_known_leak_unchanged_or_within_tolerance_passes(tmp_path: Path) -> None:
+    rss = "rss.leak_slope"
+    base = [record("m::c", "xfailed", measures=[leak(4194304.0), leak(3.4e6, name=rss, tol=2**20)])]
+    same = [record("m::c", "xfailed", measures=[leak(4194304.0), leak(3.9e6, name=rss, tol=2**20)])]
+    assert verdicts(tmp_path, base, same) == {}
+    worse = [record("m::c", "xfailed", measures=[leak(4194304.0), leak(6.8e6, name=rss, tol=2**20)])]
+    assert verdicts(tmp_path, base, worse) == {("regression", f"m::c :: {rss}"): "blocking"}
+
+
+def test_known_finding_that_now_crashes_blocks(tmp_path: Path) -> None:
+    base = [record("m::c", "xfailed", measures=[leak(4194304.0)])]
+    cand = [record("m::c", "failed", measures=[], message="engine lmcache: server died")]
+    rows = compare(
+        load(write(tmp_path / "b.json", base, as_dir=False)),
+        load(write(tmp_path / "c.json", cand, as_dir=False)),
+    ).rows
+    assert [(r.verdict, r.blocking) for r in rows] == [("fails otherwise", True)]
+    assert (
+        "failed on shm.leak_slope in baseline, now failed on no measure (engine lmcache: server died)"
+        in rows[0].detail
+    )
+
+
+def test_known_finding_failing_on_another_measure_too_blocks(tmp_path: Path) -> None:
+    base = [record("m::c", "xfailed", measures=[leak(4194304.0), leak(0.0, ok=True, name="rss.leak_slope")])]
+    cand = [record("m::c", "failed", measures=[leak(4194304.0), leak(9e6, name="rss.leak_slope")])]
+    got = verdicts(tmp_path, base, cand)
+    assert got[("fails otherwise", "m::c")] == "blocking"
+    assert got[("regression", "m::c :: rss.leak_slope")] == "blocking"
+
+
+def test_known_finding_failing_the_same_way_on_a_new_release_is_still_failing(tmp_path: Path) -> None:
+    base = [record("m::c", "xfailed", measures=[leak(4194304.0)])]
+    cand = [record("m::c", "failed", measures=[leak(4194304.0)], version="0.5.7")]
+    assert verdicts(tmp_path, base, cand) == {("still failing", "m::c"): "ok"}
+
+
+def test_inconclusive_counts_as_failing(tmp_path: Path) -> None:
+    rss = measure("rss.leak_slope", 2.6e6, "lower", op="<=", bound=2097152, ok=None)
+    base = [record("m::c", "passed", measures=[leak(0.0, ok=True)])]
+    cand = [record("m::c", "inconclusive", measures=[rss], message="INCONCLUSIVE [lmcache] m::c: ...")]
+    assert verdicts(tmp_path, base, cand) == {("new failure", "m::c"): "blocking"}
+    assert verdicts(tmp_path, cand, base) == {("fixed", "m::c"): "ok"}
