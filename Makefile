@@ -4,7 +4,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-REAL_ENGINES ?= vllm lmcache sglang dynamo omlx
+REAL_ENGINES ?= vllm lmcache sglang sglang-server dynamo omlx
 RESULTS ?= results
 
 .PHONY: main test lint envs selftest engines venv clean
