@@ -2,10 +2,20 @@
 
 A tiny session of our suites runs against the reference engine with the granularity_loss fault
 (`kvconform run`, so the main job is exercised end to end): the partial-block checks and the
-block-size sweep fail, the repeated-prompt check passes. The report must render its overview
-(title, counts, one tree leaf per check), and a failed check must show its measurements and,
-for the sweep, its plot as a decoded image; the page must request nothing outside itself.
-Screenshots go to the results dir and to Allure.
+block-size sweep fail, the repeated-prompt check passes, the radix-cache checks skip (the
+reference lacks radix_cache_model). A known-failures manifest made here records one partial-block
+variant as a finding with an upstream link. The report is then regenerated with a baseline in
+which the sweep passed (the gate's verdict: FAIL, one new failure).
+
+What the report must show: its name states "1 finding, 2 new failures" and the gate; the tree
+groups by promise, then engine; the finding is a failed leaf titled "known finding: CHECK —
+MEASURE = value (expected ...)" with the `known finding` tag, its link and named setup steps; the
+capability skips are one leaf "engine reference lacks radix_cache_model: K checks"; a failed check
+shows its measurements and, for the sweep, its plot as a decoded image; the Quality Gates tab
+holds the kvconform gate's verdict, Global Attachments the conformance dashboard; the history
+file gained a point per report; dashboard.html (beside the report) has one cell per engine x
+check with the finding's measure and the skip's capability. The page requests nothing outside
+itself. Screenshots go to the results dir (screenshots/) and to Allure.
 
 Chromium is driven over the DevTools protocol on a pipe (--remote-debugging-pipe): no port,
 no websocket library. Needs the Debian package `chromium` and Node.js/npm; skipped with the
@@ -31,13 +41,27 @@ from typing import Any
 import allure
 import pytest
 
-from kvconform.mainjob import run_main_job
+from kvconform import dashboard
+from kvconform.mainjob import HISTORY_NAME, build_report, run_main_job
 
 FAULT = "granularity_loss"
-SELECT = "partial_block or repeated_prompt or block_size_sweep"
+SELECT = "partial_block or repeated_prompt or block_size_sweep or radix_cache"
 PASSING_CHECK = "test_repeated_prompt_served_from_cache"
-FAILED_CHECK = "test_partial_block_prefix_hits_match_oracle"
+FAILED_CHECK = "prefix_reuse::test_partial_block_prefix_hits_match_oracle[128]"
+FINDING_CHECK = "prefix_reuse::test_partial_block_prefix_hits_match_oracle[32]"  # in the manifest below
 PLOT_CHECK = "test_block_size_sweep"  # fails under the fault and attaches a PNG plot
+LACKED = "radix_cache_model"  # the reference's radix-cache checks skip for it
+LINK = "https://example.org/kvconform/reference-granularity-finding"
+MANIFEST = f"""
+[[finding]]
+engine = "reference"
+version = "*+faults:{FAULT}"
+check = "{FINDING_CHECK}"
+measured = "shared prefix 113 tokens at block 32: 0 cached tokens, oracle 96"
+summary = "the granularity_loss fault drops partial-block prefix hits"
+measures = {{ "cached_tokens_in_response" = "below", "prefix_hits_counter_delta" = "below" }}
+link = "{LINK}"
+"""
 CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -210,19 +234,52 @@ def failing_run(tmp_path: Path) -> dict[str, Any]:
         _missing("node/npm are not installed (the Allure 3 report generator is an npm package)")
     base = tmp_path / "report-run"
     results, report = base / "results", base / "report"
+    manifest = tmp_path / "known-failures.toml"
+    manifest.write_text(MANIFEST)
     started = time.monotonic()
-    code = run_main_job(["reference"], str(results), str(report), ["--fault", FAULT, "-k", SELECT, "-q"])
-    records = json.loads((results / "results.json").read_text())["records"]
+    args = ["--fault", FAULT, "-k", SELECT, "-q", "--known-failures", str(manifest)]
+    code = run_main_job(["reference"], str(results), str(report), args)
+    data = json.loads((results / "results.json").read_text())
+    # regenerate with a baseline in which the sweep passed: the gate's verdict is FAIL
+    baseline = json.loads(json.dumps(data))
+    for record in baseline["records"]:
+        if PLOT_CHECK in record["check"]:
+            record["outcome"], record["measures"] = "passed", []
+    (base / "baseline").mkdir()
+    (base / "baseline" / "results.json").write_text(json.dumps(baseline))
+    build_report(results / "allure", results, report, str(base / "baseline"), str(results / HISTORY_NAME))
     return {
         "code": code,
         "index": report / "index.html",
-        "records": records,
+        "dashboard": report / dashboard.HTML_NAME,
+        "results": results,
+        "records": data["records"],
         "seconds": time.monotonic() - started,
     }
 
 
 def _record(records: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    return next(r for r in records if name in r["check"])
+    return next(r for r in records if r["check"] == name or ("::" not in name and name in r["check"]))
+
+
+_EXPAND = (
+    "(() => { const closed = [...document.querySelectorAll('[data-testid=tree-section]')]"
+    ".filter(s => s.nextElementSibling?.dataset?.testid !== 'tree-content');"
+    " closed.forEach(s => s.querySelector('[data-testid=tree-section-title]').click());"
+    " return closed.length; })()"
+)
+
+
+def _expand_tree(chrome: Chromium) -> None:
+    """Open every section of the report's tree (promise > engine), however deep."""
+    for _ in range(6):
+        if not chrome.js(_EXPAND):
+            return
+        time.sleep(0.3)
+
+
+def _texts(chrome: Chromium, testid: str) -> list[str]:
+    return chrome.js(f"[...document.querySelectorAll('[data-testid={testid}]')].map(e => e.innerText)")
 
 
 def _save(request: pytest.FixtureRequest, name: str, png: bytes) -> Path:
@@ -235,6 +292,7 @@ def _save(request: pytest.FixtureRequest, name: str, png: bytes) -> Path:
 
 
 def _open_check(chrome: Chromium, name: str) -> None:
+    _expand_tree(chrome)
     chrome.js(
         "[...document.querySelectorAll('[data-testid=tree-leaf]')]"
         f".find(e => e.innerText.includes({json.dumps(name)})).click()"
@@ -279,20 +337,107 @@ def test_report_of_a_failing_run_renders(
     assert failing_run["index"].is_file(), "the report must be generated even though checks failed"
     assert _record(records, PASSING_CHECK)["outcome"] == "passed"
     assert _record(records, FAILED_CHECK)["outcome"] == "failed"
+    assert _record(records, FINDING_CHECK)["outcome"] == "xfailed"
     assert _record(records, PLOT_CHECK)["outcome"] == "failed"
+    skipped = [r for r in records if r["outcome"] == "skipped"]
+    assert skipped and all(dashboard.lacked_capability(r) == LACKED for r in skipped), skipped
     browser.navigate(failing_run["index"].as_uri())
 
-    # the overview: title, one leaf per check, the failed/passed split
-    leaves = browser.wait_for(
-        "document.querySelectorAll('[data-testid=tree-leaf]').length", "the overview's test tree"
+    # the overview: its name states the findings, the new failures and the gate
+    browser.wait_for(
+        "document.querySelectorAll('[data-testid=tree-section]').length", "the overview's test tree"
     )
-    assert leaves == len(records), f"{leaves} tree leaves for {len(records)} checks"
-    assert "kvconform" in browser.js("document.querySelector('[data-testid=report-title]').innerText")
-    failed = sum(r["outcome"] == "failed" for r in records)
-    assert browser.js("document.querySelectorAll('[data-testid=tree-leaf-status-failed]').length") == failed
+    title = browser.js("document.querySelector('[data-testid=report-title]').innerText")
+    assert "kvconform" in title and "1 finding, 2 new failures" in title and "gate FAIL" in title, title
+
+    # the tree: promise > engine > checks; the finding a failed leaf; the skips one leaf
+    _expand_tree(browser)
+    sections = _texts(browser, "tree-section-title")
+    assert {dashboard.PREFIX, "Capability skips", "reference"} <= set(sections), sections
+    assert not {"prefix_reuse", "suites.prefix_reuse", "test_block_reuse"} & set(sections), sections
+    leaves = _texts(browser, "tree-leaf-title")
+    assert len(leaves) == len(records) - len(skipped) + 1, leaves
+    skip_leaf = f"engine reference lacks {LACKED}: {len(skipped)} checks"
+    assert skip_leaf in leaves, leaves
+    finding_leaf = next(t for t in leaves if t.startswith(f"known finding: {FINDING_CHECK} — "))
+    assert "cached_tokens_in_response = 0 tokens (expected == 96 tokens)" in finding_leaf, finding_leaf
+    not_passing = sum(r["outcome"] in ("failed", "xfailed") for r in records)
+    assert (
+        browser.js("document.querySelectorAll('[data-testid=tree-leaf-status-failed]').length") == not_passing
+    )
+    assert browser.js("document.querySelectorAll('[data-testid=tree-leaf-status-skipped]').length") == 1
     passed = sum(r["outcome"] == "passed" for r in records)
     assert browser.js("document.querySelectorAll('[data-testid=tree-leaf-status-passed]').length") == passed
     _save(request, "report-overview.png", browser.screenshot())
+
+    # the finding: failed, `known finding` label, its upstream link, named setup steps
+    _open_check(browser, f"known finding: {FINDING_CHECK}")
+    page = browser.js("document.body.innerText")
+    browser.js(
+        "[...document.querySelectorAll('button')].filter(b => b.innerText === 'Show more')"
+        ".forEach(b => b.click())"
+    )
+    labels = browser.js(
+        "[...document.querySelectorAll('[data-testid=metadata-item]')].map(e => "
+        "[e.querySelector('[data-testid=metadata-item-key]')?.innerText, "
+        "e.querySelector('[data-testid=metadata-item-value]')?.innerText])"
+    )
+    assert ["finding", "known finding"] in labels and ["epic", dashboard.PREFIX] in labels, labels
+    assert ["parentSuite", "reference"] in labels or ["engine", "reference"] in labels, labels
+    assert "Known finding on reference" in page
+    links = browser.js(
+        "[...document.querySelectorAll('[data-testid=test-result-meta-link] a, a')].map(a => a.href)"
+    )
+    assert LINK in links, links
+    assert "setup: start the engine (once per session)" in page, "setup steps are named"
+    assert "::<lambda>" not in page
+    _save(request, "report-finding.png", browser.screenshot())
+
+    # the quality gate: the kvconform gate's verdict and its blocking row
+    browser.navigate(failing_run["index"].as_uri())
+    browser.wait_for("document.querySelector('[data-testid=nav-tab-qualityGate]')", "the Quality Gates tab")
+    browser.js("document.querySelector('[data-testid=nav-tab-qualityGate]').click()")
+    rules = browser.wait_for(
+        "(() => { const r = [...document.querySelectorAll('[data-testid=quality-gate-result-rule]')]"
+        ".map(e => e.innerText); return r.length ? r : null; })()",
+        "the Quality Gates tab's results",
+    )
+    assert "kvconform gate" in rules and any(PLOT_CHECK in r and "new failure" in r for r in rules), rules
+    assert "gate: FAIL" in browser.js("document.querySelector('[data-testid=base-layout]').innerText")
+    _save(request, "report-quality-gate.png", browser.screenshot())
+
+    # the dashboard inside the report (a global attachment) and beside it (dashboard.html)
+    browser.js("document.querySelector('[data-testid=nav-tab-globalAttachments]').click()")
+    browser.wait_for(
+        "[...document.querySelectorAll('[data-testid=test-result-attachment-header]')]"
+        ".some(e => e.innerText.includes('Conformance dashboard'))",
+        "the conformance dashboard among the global attachments",
+    )
+    history = (failing_run["results"] / HISTORY_NAME).read_text().splitlines()
+    assert len(history) == 2, "each report appends one point to the Allure history"
+    browser.navigate(failing_run["dashboard"].as_uri())
+    cells = browser.wait_for(
+        "(() => { const c = [...document.querySelectorAll('td.cell')].map(e => "
+        "[e.dataset.check, e.dataset.state, e.innerText]); return c.length ? c : null; })()",
+        "the dashboard's cells",
+    )
+    checks = {r["check"] for r in records}
+    assert len(cells) == len(checks), cells
+    by_check = {c[0]: (c[1], c[2]) for c in cells}
+    assert (
+        by_check[FINDING_CHECK][0] == "finding"
+        and "cached_tokens_in_response = 0" in by_check[FINDING_CHECK][1]
+    )
+    assert "upstream" in by_check[FINDING_CHECK][1]
+    assert by_check[FAILED_CHECK][0] == "failed"
+    assert by_check[_record(records, PASSING_CHECK)["check"]] == ("pass", "pass")
+    assert all(by_check[r["check"]] == ("skip", f"skip: lacks {LACKED}") for r in skipped)
+    head = browser.js("document.getElementById('versions').innerText")
+    assert "reference" in head and "kvref" in head, head
+    assert "1 finding, 2 new failures" in browser.js("document.getElementById('headline').innerText")
+    _save(request, "dashboard.png", browser.screenshot())
+    browser.navigate(failing_run["index"].as_uri())
+    browser.wait_for("document.querySelectorAll('[data-testid=tree-section]').length", "the overview")
 
     # a failed check: its measurements, with the violated expectation, render
     record = _record(records, FAILED_CHECK)
@@ -311,7 +456,7 @@ def test_report_of_a_failing_run_renders(
 
     # the failed sweep: its plot is decoded as an image, beside its measurements
     browser.navigate(failing_run["index"].as_uri())
-    browser.wait_for("document.querySelectorAll('[data-testid=tree-leaf]').length", "the overview")
+    browser.wait_for("document.querySelectorAll('[data-testid=tree-section]').length", "the overview")
     _open_check(browser, PLOT_CHECK)
     names = _attachment_names(browser)
     plots = [n for n in names if n.endswith(".png")]
