@@ -39,9 +39,13 @@ selftest: venv
 envs: venv
 	$(BIN)/kvconform env build $(REAL_ENGINES)
 
+# The report and the dashboard are written whatever the checks' outcome; the exit code is pytest's.
 engines: envs
 	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
-	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs
+	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs; code=$$?; \
+	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
+	  || echo "[engines] report not generated"; \
+	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; exit $$code
 	$(BIN)/python -m pytest tests/engines --results-dir $(RESULTS)/attach
 
 clean:
