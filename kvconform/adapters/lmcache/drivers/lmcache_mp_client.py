@@ -318,8 +318,10 @@ def op_register(
     layer_names = [f"layer.{i}" for i in range(num_layers)]
     kv = {name: torch.zeros(shape, dtype=tdtype) for name in layer_names}
     before = set(_shm_listing())
-    tctx = lm["create_transfer_context"](
-        kv, mode="lmcache_driven", instance_id=instance_id, req_client=client
+    tctx = _bound_context(
+        lm["create_transfer_context"](kv, mode="lmcache_driven", instance_id=instance_id, req_client=client),
+        instance_id,
+        client,
     )
     t0 = time.monotonic()
     tctx.register(
@@ -372,6 +374,40 @@ def op_register(
     out = inst.describe()
     out["latency_ms"] = round(latency_ms, 3)
     return out
+
+
+class _PerCallContext:
+    """LMCache <= 0.5.5's transfer context in 0.5.6's shape. 0.5.5 binds no worker to a
+    context: register() takes the instance id and request client, submit_store/submit_retrieve
+    the instance id, per call, and there is no unregister() (the client's UNREGISTER_KV_CACHE
+    RPC is what 0.5.5's own vLLM adapter sends)."""
+
+    def __init__(self, tctx: Any, instance_id: int, client: Any) -> None:
+        self._tctx, self._id, self._client = tctx, instance_id, client
+
+    def register(self, kv: Any, model: str, world_size: int, bic: int, timeout: float, **kw: Any) -> Any:
+        return self._tctx.register(self._id, kv, model, world_size, bic, self._client, timeout, **kw)
+
+    def submit_store(self, rid: str, key: Any, kv: Any, block_ids: Any, event: Any, bic: int) -> Any:
+        return self._tctx.submit_store(rid, key, self._id, kv, block_ids, event, bic)
+
+    def submit_retrieve(self, rid: str, key: Any, kv: Any, block_ids: Any, event: Any, bic: int) -> Any:
+        return self._tctx.submit_retrieve(rid, key, self._id, kv, block_ids, event, bic)
+
+    def unregister(self) -> Any:
+        return self._client.unregister_kv_cache(self._id)
+
+    def __getattr__(self, name: str) -> Any:  # create_recorded_event, close, ...
+        return getattr(self._tctx, name)
+
+
+def _bound_context(tctx: Any, instance_id: int, client: Any) -> Any:
+    """0.5.6+ contexts are bound at creation; wrap a 0.5.5 one (register takes instance_id)."""
+    import inspect
+
+    if "instance_id" in inspect.signature(tctx.register).parameters:
+        return _PerCallContext(tctx, instance_id, client)
+    return tctx
 
 
 def _start_heartbeat(inst: _Instance) -> None:
@@ -746,7 +782,12 @@ def op_shm() -> dict[str, Any]:
 
 def op_clear(force: bool = False) -> dict[str, Any]:
     """The server's CLEAR RPC (drops its cache); the HTTP twin is POST /cache/clear."""
-    return {"reply": _result(_client().clear(force))}
+    client = _client()
+    import inspect
+
+    if "force" in inspect.signature(client.clear).parameters:
+        return {"reply": _result(client.clear(force))}
+    return {"reply": _result(client.clear()), "force_supported": False}  # LMCache <= 0.5.5
 
 
 def main() -> None:
