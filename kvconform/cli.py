@@ -15,8 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     env = sub.add_parser("env", help="engine environments (one per engine, cached)")
     env_sub = env.add_subparsers(dest="env_command", required=True)
     build = env_sub.add_parser("build", help="build (or reuse) an engine environment")
-    build.add_argument("names", nargs="+", metavar="ENGINE")
+    build.add_argument("names", nargs="*", metavar="ENGINE")
     build.add_argument("--force", action="store_true", help="rebuild even if cached")
+    build.add_argument(
+        "--gpu",
+        action="store_true",
+        help="GPU specs (all without names): built where NVML sees a GPU, else only their pins resolved",
+    )
     build.add_argument("--prune", action="store_true", help="remove stale builds of these specs")
     path = env_sub.add_parser("path", help="print a built environment's directory")
     path.add_argument("name", metavar="ENGINE")
@@ -59,6 +64,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from kvconform import envs
 
         if args.env_command == "build":
+            if args.gpu:
+                return envs.build_gpu(args.names, force=args.force)
+            if not args.names:
+                raise UsageError("env build: name at least one spec (or --gpu for all GPU specs)")
             for name in args.names:
                 envs.build(name, force=args.force)
                 if args.prune:
