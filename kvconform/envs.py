@@ -8,6 +8,13 @@ Engines pin conflicting torch/numpy versions, so none is ever installed into the
 environment. Each is built once per spec content and cached outside the checkout:
     $KVCONFORM_ENV_ROOT (default ~/.cache/kvconform/envs)/<spec name>-<spec hash>/
 A build writes its marker file last; a directory without one is a broken build and is rebuilt.
+
+GPU specs (`gpu = true`, e.g. vllm-cuda) stand beside the CPU ones: `gpu_for = "<cpu spec>"`
+names the spec they replace when NVML sees a device (`gpu_spec_for`), unless --engine-env
+names one. On a machine without a GPU, `build_gpu` only resolves their pins on PyPI
+(`resolve_pins`), so CI proves every pin exists without installing multi-GB CUDA wheels.
+`parser_env` names the CPU spec of the same release whose argument parser validates the
+command lines the adapters build for it (`check_argv`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +70,31 @@ class EnvSpec:
 
     def bin(self, program: str) -> Path:
         return self.directory / "venv" / "bin" / program
+
+    @property
+    def gpu(self) -> bool:
+        """A CUDA spec: built on GPU runners only, its pins resolved elsewhere."""
+        return bool(self.data.get("gpu", False))
+
+    @property
+    def gpu_for(self) -> str | None:
+        """The CPU spec this GPU spec replaces when the runner has a GPU."""
+        value = self.data.get("gpu_for")
+        return str(value) if value else None
+
+    @property
+    def parser_env(self) -> str:
+        """The spec whose environment holds this engine release's argument parser."""
+        return str(self.data.get("parser_env") or self.name)
+
+    def python_version(self) -> str:
+        """'3.11' from python = "python3.11" (the interpreter the venv is made with)."""
+        found = re.search(r"(\d+\.\d+)", str(self.data.get("python", "python3.11")))
+        return found.group(1) if found else f"{sys.version_info.major}.{sys.version_info.minor}"
+
+    def pins(self) -> list[str]:
+        """Every requirement the spec's pip steps install, in order."""
+        return [req for step in self.data.get("steps", []) for req in step.get("pip", [])]
 
 
 @dataclass(frozen=True)
@@ -121,6 +154,21 @@ def load_spec(name: str) -> EnvSpec:
         raise UsageError(f"no environment spec {name!r} (known: {', '.join(known_specs())})")
     with path.open("rb") as fh:
         return EnvSpec(name, path, tomllib.load(fh))
+
+
+def gpu_specs() -> list[str]:
+    return [name for name in known_specs() if load_spec(name).gpu]
+
+
+def gpu_spec_for(name: str) -> str | None:
+    """The GPU spec that replaces CPU spec `name` on a GPU runner (a GPU spec stands for
+    itself), or None when there is none."""
+    if name in known_specs() and load_spec(name).gpu:
+        return name
+    for other in gpu_specs():
+        if load_spec(other).gpu_for == name:
+            return other
+    return None
 
 
 def find(name: str) -> BuiltEnv:
@@ -188,6 +236,7 @@ def _run_step(spec: EnvSpec, step: dict[str, Any], name: str, label: str, say: C
     env = dict(os.environ)
     if step.get("lift_torch_cap"):
         env["PIP_CONSTRAINT"] = ""
+    env.update({str(k): str(v) for k, v in step.get("env", {}).items()})
     pip = [str(spec.python), "-m", "pip"]
     if "pip" in step:
         args = [*pip, "install", "--progress-bar", "off", *step.get("pip_options", []), *step["pip"]]
@@ -247,6 +296,224 @@ def _run(
         raise UsageError(
             f"environment {name!r}: {label} failed (exit {proc.returncode}):\n" + "\n".join(tail)
         )
+
+
+# ---- GPU specs on machines without a GPU: resolve their pins -------------------------------
+
+PYPI = "https://pypi.org/simple"
+_PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*==\s*([^\s;,]+)\s*$")
+
+
+@dataclass(frozen=True)
+class PinCheck:
+    spec: str
+    requirement: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+def _pip_isolated() -> list[str]:
+    """pip against PyPI alone: no local wheel folders, extra indexes or constraints."""
+    argv = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check"]
+    cert = os.environ.get("PIP_CERT")
+    if cert:
+        argv += ["--cert", cert]
+    return argv
+
+
+def check_pin(spec: EnvSpec, requirement: str, download: bool = False, timeout_s: float = 600) -> PinCheck:
+    """Does PyPI hold `requirement` (NAME==VERSION) as a wheel for the spec's Python?
+
+    Cheap (default): `pip index versions NAME --python-version X --only-binary :all:` (one
+    index page, about a second), the exact version must be listed. `download`: `pip download
+    --no-deps` of the wheel itself into a temporary folder (proves the file, costs its size).
+    """
+    t0 = time.monotonic()
+    match = _PIN.match(requirement)
+    if match is None:
+        return PinCheck(spec.name, requirement, False, "not pinned (NAME==VERSION)", 0.0)
+    pkg, want = match.group(1), match.group(3)
+    target = ["--python-version", spec.python_version(), "--only-binary", ":all:"]
+    if download:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kvconform-pin-") as tmp:
+            argv = [*_pip_isolated(), "download", "--no-deps", "--index-url", PYPI, *target]
+            out = _pip_quiet([*argv, "-d", tmp, requirement], timeout_s)
+            files = os.listdir(tmp)
+        ok = out.returncode == 0 and bool(files)
+        detail = ", ".join(files) if ok else _last_error(out.stdout + out.stderr)
+        return PinCheck(spec.name, requirement, ok, detail, round(time.monotonic() - t0, 2))
+    from packaging.version import InvalidVersion, Version
+
+    argv = [*_pip_isolated(), "index", "versions", pkg, "--index-url", PYPI, *target]
+    if _is_pre(want):
+        argv.append("--pre")
+    out = _pip_quiet(argv, timeout_s)
+    versions: list[str] = []
+    for line in out.stdout.splitlines():
+        if line.startswith("Available versions:"):
+            versions = [v.strip() for v in line.split(":", 1)[1].split(",") if v.strip()]
+    try:
+        wanted = Version(want)
+        ok = any(_same_version(v, wanted) for v in versions)
+    except InvalidVersion:
+        ok = want in versions
+    if ok:
+        detail = f"{pkg} {want} on PyPI for Python {spec.python_version()}"
+    elif out.returncode != 0:
+        detail = _last_error(out.stdout + out.stderr)
+    else:
+        detail = f"{pkg} has no {want} for Python {spec.python_version()} (newest: {', '.join(versions[:5])})"
+    return PinCheck(spec.name, requirement, ok, detail, round(time.monotonic() - t0, 2))
+
+
+def _same_version(raw: str, wanted: Any) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(raw) == wanted
+    except InvalidVersion:
+        return False
+
+
+def _is_pre(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).is_prerelease
+    except InvalidVersion:
+        return False
+
+
+def _pip_quiet(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"ERROR: pip timed out after {timeout_s:.0f}s")
+
+
+def _last_error(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("WARNING", "[notice]"))]
+    errors = [ln for ln in lines if ln.startswith("ERROR")]
+    return (errors or lines or ["pip gave no output"])[-1][:300]
+
+
+def resolve_pins(
+    names: str | list[str], download: bool = False, say: Callable[[str], None] | None = None, workers: int = 6
+) -> list[PinCheck]:
+    """Check every pin of the named specs on PyPI, installing nothing (all pins in one pool:
+    each check is a pip process waiting on one index page)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []
+    for name in [names] if isinstance(names, str) else names:
+        spec = load_spec(name)
+        pins = list(dict.fromkeys(spec.pins()))
+        if not pins:
+            raise UsageError(f"environment spec {name}: no pip requirements to resolve")
+        jobs += [(spec, req) for req in pins]
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+        checks = list(pool.map(lambda job: check_pin(job[0], job[1], download), jobs))
+    for check in checks:
+        (say or _print)(
+            f"[env {check.spec}] {'ok  ' if check.ok else 'FAIL'} {check.requirement}: "
+            f"{check.detail} ({check.seconds}s)"
+        )
+    return checks
+
+
+def build_gpu(
+    names: list[str],
+    force: bool = False,
+    resolve_only: bool | None = None,
+    download: bool | None = None,
+    say: Callable[[str], None] | None = None,
+) -> int:
+    """`kvconform env build --gpu [NAME...]`: GPU specs (all of them without names). Where
+    NVML sees a GPU they are built; elsewhere (or with `resolve_only`) their pins are only
+    resolved on PyPI (`download`, default $KVCONFORM_PIN_DOWNLOAD=1: fetch each wheel too).
+    Returns 0 when every build or pin succeeded, else 1."""
+    say = say or _print
+    names = names or gpu_specs()
+    for name in names:
+        if not load_spec(name).gpu:
+            raise UsageError(
+                f"environment spec {name!r} is not a GPU spec (gpu = true); "
+                f"GPU specs: {', '.join(gpu_specs())}"
+            )
+    if resolve_only is None:
+        from kvconform.memory import nvml
+
+        resolve_only = not nvml().available
+        if resolve_only:
+            say(f"[env] {nvml().reason}: resolving the GPU specs' pins on PyPI, installing nothing")
+    if not resolve_only:
+        for name in names:
+            build(name, force=force, log=say)
+        return 0
+    if download is None:
+        download = os.environ.get("KVCONFORM_PIN_DOWNLOAD", "") == "1"
+    t0 = time.monotonic()
+    failed = [c for c in resolve_pins(names, download=download, say=say) if not c.ok]
+    how = "downloaded" if download else "resolved"
+    say(f"[env] {len(names)} GPU spec(s) {how} in {time.monotonic() - t0:.1f}s, {len(failed)} pin(s) failed")
+    for check in failed:
+        say(f"[env {check.spec}] missing pin {check.requirement}: {check.detail}")
+    return 1 if failed else 0
+
+
+# ---- command lines checked against the engine's own argument parser ---------------------
+
+_ARGV_WRAPPER = r"""
+import contextlib, io, json, sys
+argv = json.loads(sys.stdin.read())
+ns = {"__name__": "kvconform_argv_check"}
+exec(compile(sys.argv[1], "<parser code>", "exec"), ns)
+err = io.StringIO()
+try:
+    with contextlib.redirect_stderr(err):
+        ns["check"](argv)
+except SystemExit as exc:
+    if exc.code not in (0, None):
+        msg = [ln for ln in err.getvalue().splitlines() if "error:" in ln] or err.getvalue().splitlines()[-1:]
+        print(json.dumps({"ok": False, "error": (msg or ["exit %s" % exc.code])[-1]}))
+        sys.exit(0)
+except Exception as exc:
+    print(json.dumps({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
+    sys.exit(0)
+print(json.dumps({"ok": True}))
+"""
+
+
+def check_argv(
+    env: BuiltEnv,
+    parser_code: str,
+    argv: list[str],
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+) -> str | None:
+    """Parse `argv` with the engine's real parser inside `env`; None when it parses, else the
+    parser's error (e.g. "unrecognized arguments: --no-such-flag").
+
+    `parser_code` runs in the engine's interpreter and defines `check(argv)`, which builds the
+    parser as the engine's CLI does and parses (argparse exits on an error: caught here)."""
+    run_env = {**os.environ, **(extra_env or {})}
+    out = subprocess.run(
+        [str(env.python), "-c", _ARGV_WRAPPER, parser_code],
+        input=json.dumps(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=run_env,
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"environment {env.spec.name!r}: its argument parser did not load: {tail}")
+    answer = json.loads(lines[-1])
+    return None if answer["ok"] else str(answer["error"])
 
 
 def _du(path: Path) -> int:
