@@ -50,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     dash = sub.add_parser("dashboard", help="engine x check conformance dashboard from results.json")
     dash.add_argument("results_dir", metavar="RESULTS_DIR")
     dash.add_argument("--html", help="where dashboard.html goes (default: RESULTS_DIR/dashboard.html)")
+    from kvconform import bisect
+
+    bisect.add_arguments(sub.add_parser("bisect", help="first release where a check changed"))
 
     args = parser.parse_args(argv)
     try:
-        return _dispatch(args)
+        return bisect.run_cli(args) if args.command == "bisect" else _dispatch(args)
     except KvconformError as exc:
         print(f"kvconform: {exc}", file=sys.stderr)
         return 2
