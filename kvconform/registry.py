@@ -18,6 +18,7 @@ BUILTIN: dict[str, str] = {
     "reference": "kvconform.adapters.reference.adapter:ReferenceAdapter",
     "vllm": "kvconform.adapters.vllm.adapter:VllmAdapter",
     "lmcache": "kvconform.adapters.lmcache.adapter:LmcacheAdapter",
+    "lmcache-redis": "kvconform.adapters.lmcache.adapter:LmcacheRedisAdapter",
     "sglang": "kvconform.adapters.sglang.adapter:SglangAdapter",
     "sglang-server": "kvconform.adapters.sglang_server.adapter:SglangServerAdapter",
     "dynamo": "kvconform.adapters.dynamo.adapter:DynamoAdapter",

@@ -40,3 +40,5 @@ class Capability(StrEnum):
     ROUTER_PREDICTION = "router_prediction"  # router predicts cached prefix per request
     TRACE_REPLAY = "trace_replay"  # offline replay of a synthetic trace
     DISAGG_SERVING = "disagg_serving"  # prefill and decode instances serve requests end to end
+    # remote tiers
+    REMOTE_TIER = "remote_tier"  # a remote KV store (Redis/Valkey...) the suite can read, damage and stop
