@@ -10,12 +10,14 @@ reaper is exercised; stopping the server is the `close` path.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvconform.adapters.lmcache.redis_server import RedisServer, redis_binary
 from kvconform.contract import (
     AdapterContext,
     Capability,
@@ -105,6 +107,13 @@ class LmcacheAdapter(EngineAdapter):
     def l2_dir(self) -> Path:
         return self.ctx.workdir / "l2"
 
+    def l2_adapter_spec(self, config: EngineConfig) -> dict[str, Any] | None:
+        """The `--l2-adapter` JSON: the fs adapter when the suite asks for persistence."""
+        if not config.persistent:
+            return None
+        self.l2_dir().mkdir(parents=True, exist_ok=True)
+        return {"type": "fs", "base_path": str(self.l2_dir())}
+
     def start(self, config: EngineConfig) -> None:
         chunk = config.block_size or self.default_block_size
         rpc_port, http_port = free_port(), free_port()
@@ -130,9 +139,9 @@ class LmcacheAdapter(EngineAdapter):
             "--worker-registration-grace-seconds",
             str(REAP_TIMEOUT_S),
         ]
-        if config.persistent:
-            self.l2_dir().mkdir(parents=True, exist_ok=True)
-            argv += ["--l2-adapter", f'{{"type":"fs","base_path":"{self.l2_dir()}"}}']
+        l2 = self.l2_adapter_spec(config)
+        if l2 is not None:
+            argv += ["--l2-adapter", json.dumps(l2)]
         self.base_url = f"http://127.0.0.1:{http_port}"
         self.rpc_url = f"tcp://127.0.0.1:{rpc_port}"
         self.server = LaunchedServer(
@@ -390,3 +399,128 @@ class LmcacheAdapter(EngineAdapter):
 
     def cleanup_workdir(self) -> None:
         shutil.rmtree(self.l2_dir(), ignore_errors=True)
+
+
+REDIS_L2_CAPACITY_BYTES = 8 * 2**20  # 32 chunks of 256 tokens: the L2 eviction check fills it twice over
+MODEL_NAME = "kvc-model"  # what our client registers; LMCache's keys start "kvc-model@"
+
+
+class LmcacheRedisAdapter(LmcacheAdapter):
+    """LMCache's MP server with its RESP L2 adapter against a real redis-server the suite owns.
+
+    Redis is a second process of the stack: started with the first LMCache launch, kept across
+    LMCache restarts (that is the point of a remote tier), stopped and audited in close(). The
+    L2 tier is Redis in every config (this engine *is* LMCache-with-Redis), with LMCache's own
+    L2 eviction (LRU) at REDIS_L2_CAPACITY_BYTES. Checks that never touch L2 run on `lmcache`;
+    this engine declares only the capabilities whose checks exercise the remote tier.
+    """
+
+    name = "lmcache-redis"
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.RESTART,
+            C.PERSISTENT_PREFIX,
+            C.TIERED_STORE_METRICS,
+            C.REMOTE_TIER,
+        }
+    )
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.redis: RedisServer | None = None
+        self.redis_reports: list[TeardownReport] = []
+        self.redis_left_files: list[str] = []
+
+    def preflight(self) -> None:
+        super().preflight()
+        redis_binary()  # a clear UsageError naming the Debian package when it is missing
+
+    def l2_adapter_spec(self, config: EngineConfig) -> dict[str, Any] | None:
+        if self.redis is None or not self.redis.alive():
+            self.redis = RedisServer(self.ctx.workdir)
+        return {
+            "type": "resp",
+            "host": "127.0.0.1",
+            "port": self.redis.port,
+            "num_workers": 2,
+            "max_capacity_gb": REDIS_L2_CAPACITY_BYTES / 2**30,
+            "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2},
+        }
+
+    def engine_pids(self) -> list[int]:
+        return super().engine_pids() + (self.redis.pids() if self.redis and self.redis.alive() else [])
+
+    def close(self) -> None:
+        super().close()
+        if self.redis is not None:
+            report = self.stop_remote()
+            if not report.clean or self.redis_left_files:
+                raise EngineError(
+                    self.name,
+                    f"redis teardown: {report.describe()}; data dir files {self.redis_left_files}",
+                )
+
+    # ---- the remote tier (REMOTE_TIER) ----------------------------------------------------
+    def _redis(self) -> RedisServer:
+        if self.redis is None or not self.redis.alive():
+            raise EngineError(self.name, "the Redis L2 server is not running")
+        return self.redis
+
+    def remote_entries(self) -> dict[str, int]:
+        """LMCache's keys in Redis -> the bytes each holds (STRLEN)."""
+        redis = self._redis()
+        client = redis.client()
+        try:
+            return {key: int(client.call("STRLEN", key)) for key in redis.keys(f"{MODEL_NAME}@*")}
+        finally:
+            client.close()
+
+    def remote_objects_total(self) -> int:
+        return int(self._redis().command("DBSIZE"))
+
+    def remote_memory_usage(self, key: str) -> int:
+        return int(self._redis().command("MEMORY", "USAGE", key) or 0)
+
+    def remote_read(self, key: str) -> bytes:
+        return bytes(self._redis().command("GET", key) or b"")
+
+    def remote_write(self, key: str, data: bytes) -> None:
+        self._redis().command("SET", key, data)
+
+    def remote_capacity_bytes(self) -> int:
+        return REDIS_L2_CAPACITY_BYTES
+
+    def remote_wipe(self) -> None:
+        """Out of band, with LMCache stopped: the tier starts empty (FLUSHALL)."""
+        self.stop()
+        self._redis().command("FLUSHALL")
+
+    def remote_down(self) -> TeardownReport:
+        """Chaos: the Redis server goes away under a running LMCache."""
+        return self.stop_remote()
+
+    def stop_remote(self) -> TeardownReport:
+        assert self.redis is not None
+        report = self.redis.stop()
+        self.redis_left_files = self.redis.left_data_files
+        self.redis_reports.append(report)
+        self.redis = None
+        return report
+
+    def persisted_entries(self) -> list[Path]:
+        raise NotImplementedError("lmcache-redis persists into Redis, not files: see remote_entries()")
+
+    def persisted_bytes(self) -> int:
+        return sum(self.remote_entries().values())
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = super().describe_logs()
+        if self.redis is not None:
+            logs["redis server"] = self.redis.log_tail(40)
+        return logs
+
+    def cleanup_workdir(self) -> None:
+        super().cleanup_workdir()
+        shutil.rmtree(self.ctx.workdir / "redis-data", ignore_errors=True)
