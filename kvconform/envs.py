@@ -468,52 +468,57 @@ def build_gpu(
 
 _ARGV_WRAPPER = r"""
 import contextlib, io, json, sys
-argv = json.loads(sys.stdin.read())
+argvs = json.loads(sys.stdin.read())
 ns = {"__name__": "kvconform_argv_check"}
 exec(compile(sys.argv[1], "<parser code>", "exec"), ns)
-err = io.StringIO()
-try:
-    with contextlib.redirect_stderr(err):
-        ns["check"](argv)
-except SystemExit as exc:
-    if exc.code not in (0, None):
-        msg = [ln for ln in err.getvalue().splitlines() if "error:" in ln] or err.getvalue().splitlines()[-1:]
-        print(json.dumps({"ok": False, "error": (msg or ["exit %s" % exc.code])[-1]}))
-        sys.exit(0)
-except Exception as exc:
-    print(json.dumps({"ok": False, "error": "%s: %s" % (type(exc).__name__, exc)}))
-    sys.exit(0)
-print(json.dumps({"ok": True}))
+answers = []
+for argv in argvs:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns["check"](argv)
+        answers.append(None)
+    except SystemExit as exc:
+        lines = err.getvalue().splitlines()
+        msg = [ln for ln in lines if "error:" in ln] or lines[-1:] or ["exit %s" % exc.code]
+        answers.append(None if exc.code in (0, None) else msg[-1])
+    except Exception as exc:
+        answers.append("%s: %s" % (type(exc).__name__, exc))
+print("KVCONFORM-ARGV " + json.dumps(answers))
 """
 
 
-def check_argv(
+def check_argvs(
     env: BuiltEnv,
     parser_code: str,
-    argv: list[str],
+    argvs: list[list[str]],
     extra_env: dict[str, str] | None = None,
     timeout_s: float = 300,
-) -> str | None:
-    """Parse `argv` with the engine's real parser inside `env`; None when it parses, else the
-    parser's error (e.g. "unrecognized arguments: --no-such-flag").
+) -> list[str | None]:
+    """Parse each argv with the engine's real parser inside `env`, in one process: None for
+    one that parses, else the parser's error (e.g. "unrecognized arguments: --no-such-flag").
 
     `parser_code` runs in the engine's interpreter and defines `check(argv)`, which builds the
-    parser as the engine's CLI does and parses (argparse exits on an error: caught here)."""
-    run_env = {**os.environ, **(extra_env or {})}
+    parser as the engine's CLI does and parses (argparse exits on an error: caught there)."""
     out = subprocess.run(
         [str(env.python), "-c", _ARGV_WRAPPER, parser_code],
-        input=json.dumps(argv),
+        input=json.dumps(argvs),
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env=run_env,
+        env={**os.environ, **(extra_env or {})},
     )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KVCONFORM-ARGV ")]
     if out.returncode != 0 or not lines:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
         raise UsageError(f"environment {env.spec.name!r}: its argument parser did not load: {tail}")
-    answer = json.loads(lines[-1])
-    return None if answer["ok"] else str(answer["error"])
+    return list(json.loads(lines[-1].split(" ", 1)[1]))
+
+
+def check_argv(
+    env: BuiltEnv, parser_code: str, argv: list[str], extra_env: dict[str, str] | None = None
+) -> str | None:
+    return check_argvs(env, parser_code, [argv], extra_env)[0]
 
 
 def _du(path: Path) -> int:

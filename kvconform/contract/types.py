@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import tomllib
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,110 @@ class BlockPoolStats:
     cumulative: bool = True
 
 
+PROFILE_SECTIONS = ("offload", "connector", "kv_events", "model_shape", "env_vars")
+
+
+@dataclass(frozen=True)
+class LaunchProfile:
+    """One deployment to launch (`--engine-profile FILE`, TOML): the team's model, flags and
+    memory, instead of the adapter's tiny CPU model. Every field is optional; an adapter reads
+    what its engine has and refuses what it cannot honour. The default profile (no file) is
+    the adapter's own CPU setup.
+
+        engine = "vllm"                    # which engine it is for (checked)
+        env = "vllm-cuda"                  # environment spec to launch from (else GPU auto/CPU)
+        model = "/models/llama-3.1-8b"     # directory or hub id
+        served_model_name = "llama"
+        tokenizer = "..."                  # if not the model's own
+        load_format = "auto"               # "dummy": random weights, no download
+        dtype = "bfloat16"
+        block_size = 16                    # the default block size of the run (checks may vary it)
+        kv_cache_bytes = 4294967296        # KV pool in bytes, or
+        gpu_memory_fraction = 0.85         # a fraction of GPU memory (vLLM gpu-memory-utilization)
+        tensor_parallel_size = 2
+        max_model_len = 8192
+        extra_args = ["--max-num-seqs", "64"]   # appended to the engine's command line as given
+        [env_vars]                         # process environment of the engine
+        [offload]  size_bytes = ..., backend = "native"
+        [connector]  kv_transfer_config = { ... }  (vLLM), or engine-specific keys
+        [kv_events]  port = 5557, replay_port = 5558   (fixed ports; default: free ones)
+        [model_shape]  layers, kv_heads, head_dim, dtype_bytes   (what the byte oracles use)
+    """
+
+    path: Path | None = None
+    engine: str | None = None
+    env: str | None = None
+    model: str | None = None
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    load_format: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    enforce_eager: bool | None = None
+    extra_args: tuple[str, ...] = ()
+    env_vars: dict[str, str] = field(default_factory=dict)
+    offload: dict[str, Any] = field(default_factory=dict)
+    connector: dict[str, Any] = field(default_factory=dict)
+    kv_events: dict[str, Any] = field(default_factory=dict)
+    model_shape: ModelShape | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.path else "default"
+
+    @property
+    def is_default(self) -> bool:
+        return self.model is None
+
+    @classmethod
+    def load(cls, path: str | Path) -> LaunchProfile:
+        path = Path(path)
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"launch profile {path}: {exc}") from None
+        return cls.from_dict(data, path)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], path: Path | None = None) -> LaunchProfile:
+        where = f"launch profile {path or '<dict>'}"
+        known = {f.name for f in fields(cls)} - {"path"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
+        values = dict(data)
+        if values.get("kv_cache_bytes") is not None and values.get("gpu_memory_fraction") is not None:
+            raise ValueError(f"{where}: give kv_cache_bytes or gpu_memory_fraction, not both")
+        fraction = values.get("gpu_memory_fraction")
+        if fraction is not None and not 0 < float(fraction) <= 1:
+            raise ValueError(f"{where}: gpu_memory_fraction {fraction} is not in (0, 1]")
+        for key in ("block_size", "kv_cache_bytes", "tensor_parallel_size", "max_model_len"):
+            if key in values and (not isinstance(values[key], int) or values[key] <= 0):
+                raise ValueError(f"{where}: {key} must be a positive integer, got {values[key]!r}")
+        extra = values.get("extra_args", ())
+        if not isinstance(extra, list | tuple) or not all(isinstance(a, str) for a in extra):
+            raise ValueError(f"{where}: extra_args must be a list of strings")
+        values["extra_args"] = tuple(extra)
+        for key in PROFILE_SECTIONS:
+            if key in values and not isinstance(values[key], dict):
+                raise ValueError(f"{where}: [{key}] must be a table")
+        values["env_vars"] = {str(k): str(v) for k, v in values.get("env_vars", {}).items()}
+        if "model_shape" in values:
+            shape_fields = {f.name for f in fields(ModelShape)}
+            bad = sorted(set(values["model_shape"]) - shape_fields)
+            if bad:
+                raise ValueError(f"{where}: [model_shape] unknown field(s) {', '.join(bad)}")
+            values["model_shape"] = ModelShape(**values["model_shape"])
+        return cls(path=path, **values)
+
+
 @dataclass
 class AdapterContext:
     workdir: Path
@@ -98,3 +203,5 @@ class AdapterContext:
     env_name: str | None = None  # override the environment spec (e.g. another version)
     # The adapter's own pytest options (its class's `pytest_options`), by dest.
     options: dict[str, Any] = field(default_factory=dict)
+    # --engine-profile: the deployment to launch (None: the adapter's default CPU setup).
+    profile: LaunchProfile | None = None

@@ -38,6 +38,15 @@ def add_options(parser: pytest.Parser) -> None:
         help="use another environment spec for an engine (e.g. lmcache=lmcache-0.5.5)",
     )
     group.addoption(
+        "--engine-profile",
+        action="append",
+        default=[],
+        metavar="[ENGINE=]FILE",
+        help="launch profile (TOML: model, flags, block size, KV memory, TP, offload, connector, "
+        "event ports) for launch mode; ENGINE= when several engines run (default: the profile's "
+        "`engine` field, else every selected engine)",
+    )
+    group.addoption(
         "--churn-cycles",
         type=int,
         default=4,
@@ -109,7 +118,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("kvconform_adapters", "NAME=MODULE:CLASS lines registered for every run", type="linelist")
 
 
-ACTIVATING_OPTIONS = ("--engine", "--adapter", "--engine-url", "--engine-env")
+ACTIVATING_OPTIONS = ("--engine", "--adapter", "--engine-url", "--engine-env", "--engine-profile")
 
 
 def asked_for_engine(config: pytest.Config) -> bool:

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvconform import registry
+from kvconform import envs, registry
 from kvconform.contract import AdapterContext, EngineAdapter
+from kvconform.contract.types import LaunchProfile
 from kvconform.memory import nvml
 
 DEFAULT_ENGINE = "reference"
@@ -47,6 +48,20 @@ class KvSession:
         self.env_overrides = dict(
             item.split("=", 1) for item in config.getoption("--engine-env") if "=" in item
         )
+        self.profiles = load_profiles(config.getoption("--engine-profile") or [], selected_engines(config))
+
+    def env_name(self, name: str, cls: type) -> str | None:
+        """--engine-env, else the profile's `env`, else the GPU spec standing for the adapter's
+        CPU spec when NVML sees a GPU, else None (the adapter's own spec)."""
+        if name in self.env_overrides:
+            return self.env_overrides[name]
+        profile = self.profiles.get(name)
+        if profile is not None and profile.env:
+            return profile.env
+        default = getattr(cls, "env_spec", None)
+        if default and nvml().available:
+            return envs.gpu_spec_for(default)
+        return None
 
     def context(self, name: str, cls: type) -> AdapterContext:
         options: dict[str, Any] = {}
@@ -56,8 +71,9 @@ class KvSession:
             workdir=self.workdir / name,
             url=self.config.getoption("--engine-url"),
             start_timeout_s=self.config.getoption("--engine-start-timeout"),
-            env_name=self.env_overrides.get(name),
+            env_name=self.env_name(name, cls),
             options=options,
+            profile=self.profiles.get(name),
         )
 
     def new_adapter(self, name: str) -> EngineAdapter:
@@ -74,6 +90,32 @@ class KvSession:
 
     def platform(self) -> str:
         return nvml().describe()
+
+
+def load_profiles(raw: list[str], engines: list[str]) -> dict[str, LaunchProfile]:
+    """--engine-profile [ENGINE=]FILE values, by engine. A bare FILE goes to the engine its
+    `engine` field names, else to every selected engine; a profile for another engine than
+    the one it is given to is a usage error."""
+    profiles: dict[str, LaunchProfile] = {}
+    for item in raw:
+        engine, sep, path = item.partition("=")
+        if not sep or "/" in engine or engine.endswith(".toml"):
+            engine, path = "", item
+        try:
+            profile = LaunchProfile.load(path)
+        except ValueError as exc:
+            raise pytest.UsageError(f"kvconform: --engine-profile {item}: {exc}") from None
+        targets = [engine] if engine else [profile.engine] if profile.engine else engines
+        for target in targets:
+            if profile.engine and profile.engine != target:
+                raise pytest.UsageError(
+                    f"kvconform: --engine-profile {item}: the profile is for engine {profile.engine!r}, "
+                    f"not {target!r}"
+                )
+            if target in profiles:
+                raise pytest.UsageError(f"kvconform: two launch profiles for engine {target!r}")
+            profiles[target] = profile
+    return profiles
 
 
 def kv_session(config: pytest.Config) -> KvSession:

