@@ -444,13 +444,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stop-at-first", action="store_true", help="stop at the first change")
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
+    parser.add_argument(
+        "--pytest-arg",
+        action="append",
+        default=[],
+        dest="pytest_args",
+        metavar="ARG",
+        help="extra pytest argument",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     out_dir = Path(args.out) / args.engine
-    extra = [a for a in args.pytest_args if a != "--"]
+    extra = list(args.pytest_args)
     if args.fault_sets:
         if args.engine != "reference":
             raise UsageError("--fault-sets is for the reference engine")
