@@ -70,7 +70,8 @@ from kvconform.contract import (
     ModelShape,
     ServedPrompt,
 )
-from kvconform.errors import EngineError
+from kvconform.contract.types import LaunchProfile
+from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import engine_side_script
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot
@@ -89,6 +90,17 @@ SERVER_PAGE_SIZE = 16  # the page size launch mode starts with (attached: what /
 SERVER_CAPACITY_TOKENS = 4096  # --max-total-tokens in launch mode: eviction is reachable
 MODEL_CONTEXT_TOKENS = 2048  # the tiny model's context (below the pool, as SGLang wants)
 SERVER_MODEL_NAME = "tiny"
+# SGLang's own server parser (ServerArgs.add_cli_args, as launch_server builds it), run in the
+# environment by envs.check_argvs for launch profiles: an unknown flag fails with its name.
+SERVER_PARSER_CODE = """
+def check(argv):
+    import argparse
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    parser.parse_args(argv[2:])  # after `-m sglang.launch_server`
+"""
 RESET_RETRY_S = 10.0  # /flush_cache answers 400 while requests are running or waiting
 FLUSH_WAIT_S = 2.0  # ?timeout= asks the scheduler to wait this long for idle itself
 
@@ -140,11 +152,22 @@ class SglangServerAdapter(EngineAdapter):
         self._model_dir: Path | None = None
         self._tmpdir: Path | None = None
         self._launches = 0
+        self.profile = ctx.profile or LaunchProfile()
+        if self.profile.engine not in (None, self.name):
+            raise UsageError(
+                f"launch profile {self.profile.name} is for {self.profile.engine}, not {self.name}"
+            )
+        if self.profile.model_shape is not None:
+            self.model = self.profile.model_shape
+        if self.profile.block_size is not None:
+            self.default_block_size = self.profile.block_size
 
     def preflight(self) -> None:
         super().preflight()
         if self.attached:
             self.server_info()  # the page size and version come from here: fail now, not per check
+        elif not self.profile.is_default:
+            self.check_command_line()
 
     # ---- the environment ------------------------------------------------------------------
     def spec_data(self) -> dict[str, Any]:
@@ -253,10 +276,15 @@ class SglangServerAdapter(EngineAdapter):
         }
 
     def server_argv(self, config: EngineConfig, port: int, events: str, replay: str) -> list[str]:
-        model = os.environ.get(MODEL_ENV)
+        p = self.profile
+        model = p.model or os.environ.get(MODEL_ENV)
         model_args = ["--model-path", model] if model else ["--model-path", str(self.model_dir())]
-        if not model:
-            model_args += ["--load-format", "dummy"]
+        if not model or p.load_format:
+            model_args += ["--load-format", p.load_format or "dummy"]
+        for flag, value in (("--tokenizer-path", p.tokenizer), ("--dtype", p.dtype)):
+            model_args += [flag, str(value)] if value is not None else []
+        model_args += ["--context-length", str(p.max_model_len)] if p.max_model_len else []
+        model_args += ["--mem-fraction-static", str(p.gpu_memory_fraction)] if p.gpu_memory_fraction else []
         cpu = ["--device", "cpu", "--attention-backend", "torch_native"] if self.cpu_engine() else []
         return [
             str(self.env().python),
@@ -264,15 +292,47 @@ class SglangServerAdapter(EngineAdapter):
             "sglang.launch_server",
             *model_args,
             *cpu,
-            *("--served-model-name", SERVER_MODEL_NAME),
+            *("--served-model-name", p.served_model_name or SERVER_MODEL_NAME),
             *("--host", "127.0.0.1", "--port", str(port)),
             "--enable-metrics",
             *("--page-size", str(config.block_size or self.default_block_size)),
-            *("--max-total-tokens", str(SERVER_CAPACITY_TOKENS)),
+            *self.pool_args(),
             *("--kv-events-config", json.dumps(self.kv_events_config(events, replay))),
             "--skip-server-warmup",
-            *("--tp", "1"),
+            *("--tp", str(p.tensor_parallel_size)),
+            *p.extra_args,
         ]
+
+    def pool_args(self) -> list[str]:
+        """--max-total-tokens: the default's small pool, a profile's KV bytes in tokens, or none
+        (a GPU memory fraction lets SGLang size it)."""
+        p = self.profile
+        if p.is_default and p.gpu_memory_fraction is None:
+            return ["--max-total-tokens", str(SERVER_CAPACITY_TOKENS)]
+        if p.kv_cache_bytes is not None:
+            return ["--max-total-tokens", str(p.kv_cache_bytes // self.model.kv_bytes_per_token())]
+        return []
+
+    def check_command_line(self) -> None:
+        """A profile's command line against SGLang's own parser (launch env, else the CPU env
+        of the same release); an unknown flag fails with its name."""
+        try:
+            env = self.env()
+        except UsageError:
+            env = envs.find(envs.load_spec(self.ctx.env_name or str(self.env_spec)).parser_env)
+        saved, self._env = self._env, env  # the argv names this interpreter; restored below
+        try:
+            argv = self.server_argv(EngineConfig(), 30000, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")[1:]
+        finally:
+            self._env = saved
+        extra = {"PYTHONPATH": os.pathsep.join(str(d) for d in STUB_DIRS)} if not env.spec.gpu else {}
+        error = envs.check_argv(
+            env, SERVER_PARSER_CODE, argv, {**extra, "SGLANG_USE_CPU_ENGINE": "1"} if extra else {}
+        )
+        if error:
+            raise UsageError(
+                f"launch profile {self.profile.name}: SGLang ({env.version}) rejects it: {error}"
+            )
 
     def server_env(self, tmpdir: Path) -> dict[str, str]:
         offline = os.environ.get("HF_HUB_OFFLINE", "0" if os.environ.get(MODEL_ENV) else "1")
