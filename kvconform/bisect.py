@@ -188,6 +188,8 @@ def default_version(engine: str) -> tuple[str | None, str | None]:
     """(package, version) the engine's default spec pins, or (None, None)."""
     from kvconform import envs
 
+    if engine not in envs.known_specs():
+        return None, None
     pins = engine_pins(envs.load_spec(engine).data, engine)
     return pins[0] if pins else (None, None)
 
