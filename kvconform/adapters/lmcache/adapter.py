@@ -437,9 +437,16 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         super().preflight()
         redis_binary()  # a clear UsageError naming the Debian package when it is missing
 
-    def l2_adapter_spec(self, config: EngineConfig) -> dict[str, Any] | None:
-        if self.redis is None or not self.redis.alive():
+    def _ensure_redis(self) -> RedisServer:
+        if self.redis is not None and not self.redis.alive():
+            self.stop_remote()  # it died under us: audit what it left
+        if self.redis is None:
             self.redis = RedisServer(self.ctx.workdir)
+        return self.redis
+
+    def l2_adapter_spec(self, config: EngineConfig) -> dict[str, Any] | None:
+        self._ensure_redis()
+        assert self.redis is not None
         return {
             "type": "resp",
             "host": "127.0.0.1",
@@ -495,7 +502,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     def remote_wipe(self) -> None:
         """Out of band, with LMCache stopped: the tier starts empty (FLUSHALL)."""
         self.stop()
-        self._redis().command("FLUSHALL")
+        self._ensure_redis().command("FLUSHALL")
 
     def remote_down(self) -> TeardownReport:
         """Chaos: the Redis server goes away under a running LMCache."""

@@ -1,0 +1,166 @@
+"""A remote KV tier's accounting agrees with what the remote store really holds, its eviction
+keeps the store within capacity, and losing the remote server mid-run is a clear outcome.
+
+What the store holds is read with the suite's own client (object count and bytes of the
+engine's keys); what it should hold comes from the model shape (chunks x chunk bytes).
+
+An adapter declaring remote_tier provides, besides remote_entries() (see
+prefix_reuse/test_remote_tier.py): remote_objects_total() (every object in the store, the
+engine's or not), remote_memory_usage(key), remote_capacity_bytes() (the L2 capacity the
+adapter configured), remote_wipe() (engine stopped, store emptied out of band) and
+remote_down() (the remote server is stopped under a running engine; its teardown report).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.errors import EngineError
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.TIERED_STORE_METRICS, C.REMOTE_TIER, C.RESTART)
+
+PERSISTENT = EngineConfig(persistent=True)
+SERVE_BOUND_S = 30.0  # a request with the remote tier gone must end (served or refused) within this
+
+
+def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+    engine.remote_wipe()
+    engine.ensure(PERSISTENT)
+    block = engine.block_size()
+    chunk_bytes = engine.offload_block_bytes()
+    chunks = 8
+    before = engine.metrics()
+    engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
+    engine.flush_persistent()
+    after = engine.metrics()
+    entries = engine.remote_entries()
+    held = sum(entries.values())
+    verdict.equal("remote_objects", len(entries), chunks, "objects", note="one object per whole chunk")
+    verdict.equal(
+        "remote_bytes", held, chunks * chunk_bytes, "bytes", note=f"{chunks} x {chunk_bytes} from the model"
+    )
+    verdict.equal(
+        "remote_foreign_objects",
+        engine.remote_objects_total() - len(entries),
+        0,
+        "objects",
+        note="the store holds nothing but the engine's entries",
+    )
+    verdict.equal(
+        "l2_store_completed_delta",
+        engine.metric_delta("l2_store_completed", before, after),
+        chunks,
+        "objects",
+    )
+    verdict.equal("l2_usage_bytes", engine.metric("l2_usage_bytes", after), held, "bytes")
+    overhead = [engine.remote_memory_usage(k) - n for k, n in entries.items()]
+    verdict.record("remote_memory_overhead_per_object", max(overhead, default=0), "bytes")
+    engine.restart()
+    restarted = engine.metrics()
+    verdict.equal(
+        "l2_usage_bytes_after_restart",
+        engine.metric("l2_usage_bytes", restarted),
+        sum(engine.remote_entries().values()),
+        "bytes",
+        note="the restarted engine serves hits from these bytes, so its usage gauge must count them",
+    )
+    verdict.conclude()
+
+
+def settled_entries(
+    engine: EngineAdapter, quiet_s: float = 3.0, timeout_s: float = 30.0
+) -> tuple[dict, float]:
+    """The engine's remote entries once they stop changing for quiet_s (background eviction
+    runs periodically); after timeout_s, whatever is there."""
+    t0 = time.monotonic()
+    last, since = engine.remote_entries(), time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+        now = engine.remote_entries()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last, round(since - t0, 1)
+
+
+def test_remote_tier_eviction_within_capacity(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    engine.remote_wipe()
+    engine.ensure(PERSISTENT)
+    block = engine.block_size()
+    chunk_bytes = engine.offload_block_bytes()
+    capacity = engine.remote_capacity_bytes()
+    per_prompt = 8
+    prompts_needed = 2 * capacity // (per_prompt * chunk_bytes)
+    peak = 0
+    for _ in range(prompts_needed):
+        engine.serve_prompt(prompts.fresh(per_prompt * block))
+        engine.flush_persistent()
+        peak = max(peak, sum(engine.remote_entries().values()))
+    engine.flush_persistent()
+    entries, settled_after = settled_entries(engine)
+    held = sum(entries.values())
+    verdict.record("remote_settled_after_s", settled_after, "s")
+    verdict.record("stored_bytes", prompts_needed * per_prompt * chunk_bytes, "bytes")
+    verdict.record("remote_peak_bytes", peak, "bytes")
+    verdict.expect(
+        "remote_bytes_at_idle", held, "<=", capacity, "bytes", note="L2 eviction deletes in the store"
+    )
+    verdict.expect("remote_bytes_evicted", prompts_needed * per_prompt * chunk_bytes - held, ">=", 1, "bytes")
+    verdict.equal(
+        "l2_usage_bytes_vs_remote",
+        engine.metric("l2_usage_bytes", engine.metrics()),
+        held,
+        "bytes",
+        note="after eviction the gauge and the store agree",
+    )
+    verdict.equal("remote_foreign_objects", engine.remote_objects_total() - len(entries), 0, "objects")
+    verdict.conclude()
+
+
+def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+    engine.ensure(PERSISTENT)
+    block = engine.block_size()
+    stored = prompts.fresh(4 * block + 1)
+    cold = engine.serve_prompt(stored)
+    engine.flush_persistent()
+    report = engine.remote_down()
+    verdict.expect("remote_teardown_leftovers", int(not report.clean), "==", 0, note=report.describe())
+    outcomes = {}
+    for label, tokens in (("fresh", prompts.fresh(4 * block + 1)), ("stored", stored)):
+        t0 = time.monotonic()
+        try:
+            served = engine.serve_prompt(tokens)
+            outcomes[label] = ("served", served)
+        except EngineError as exc:
+            outcomes[label] = ("refused", str(exc).splitlines()[0][:200])
+        verdict.expect(
+            f"{label}_request_seconds",
+            time.monotonic() - t0,
+            "<=",
+            SERVE_BOUND_S,
+            "s",
+            note=f"{outcomes[label][0]}: a lost remote tier must not hang a request",
+        )
+    kind, got = outcomes["stored"]
+    if kind == "served":
+        verdict.expect(
+            "stored_prompt_hits",
+            got.cached_tokens,
+            "<=",
+            prefix_hit_tokens(len(stored), len(stored), block, engine.recomputes_last_token),
+            "tokens",
+        )
+        verdict.equal("stored_prompt_output_identical", int(got.output == cold.output), 1)
+    verdict.record("engine_healthy_after_loss", int(engine.healthy()))
+    engine.stop()  # the next check starts the stack again, remote server included
+    verdict.conclude()

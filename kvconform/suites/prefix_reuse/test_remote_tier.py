@@ -1,0 +1,68 @@
+"""Entries damaged inside a remote KV tier (Redis/Valkey...) are recomputed, never served, and
+they do not take intact entries down with them.
+
+The suite writes the damage with its own client, straight into the remote store, while the
+engine is stopped (the remote server keeps running: that is what a remote tier is). Then:
+no hit may be counted for the damaged prompt and its output must equal a cold run's; a second
+prompt whose entries were left intact must still be a full hit with the bytes it stored.
+
+An adapter declaring remote_tier provides: remote_entries() -> {key: stored bytes} of the
+engine's own keys, remote_read(key) -> bytes, remote_write(key, bytes).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.RESTART, C.PERSISTENT_PREFIX, C.REMOTE_TIER)
+
+PERSISTENT = EngineConfig(persistent=True)
+
+
+def damaged(data: bytes, damage: str) -> bytes:
+    if damage == "truncate":
+        return data[: len(data) // 2]
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_remote_damaged_entry_recomputed(
+    engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    engine.ensure(PERSISTENT)
+    block = engine.block_size()
+    intact = prompts.fresh(4 * block + 1)
+    intact_cold = engine.serve_prompt(intact)
+    engine.flush_persistent()
+    kept = set(engine.remote_entries())
+    prompt = prompts.fresh(6 * block + 1)
+    cold = engine.serve_prompt(prompt)
+    engine.flush_persistent()
+    engine.stop()  # the engine is gone before its entries are touched; the remote store is not
+    targets = sorted(set(engine.remote_entries()) - kept)
+    verdict.expect(
+        "entries_damaged", len(targets), ">=", 1, note="the prompt must have reached the remote tier"
+    )
+    for key in targets:
+        engine.remote_write(key, damaged(engine.remote_read(key), damage))
+    engine.ensure(PERSISTENT)
+    warm = engine.serve_prompt(prompt)
+    verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
+    verdict.equal("output_identical_to_cold_run", int(warm.output == cold.output), 1)
+    after = engine.serve_prompt(intact)
+    verdict.equal(
+        "intact_prefix_hits_after_damaged_read",
+        after.cached_tokens,
+        prefix_hit_tokens(len(intact), len(intact), block, engine.recomputes_last_token),
+        "tokens",
+        note="a prompt whose entries were not damaged is still served whole after the damaged read",
+    )
+    verdict.equal("intact_prefix_output_identical", int(after.output == intact_cold.output), 1)
+    verdict.conclude()
