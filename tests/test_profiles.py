@@ -1,0 +1,130 @@
+"""Launch profiles: loading, the command lines the adapters build from them, and every shipped
+profile parsed by the engine's real argument parser in the built CPU environment (an unknown
+flag fails with its name). Skips, saying so, where a CPU env is not built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvconform import envs
+from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
+from kvconform.adapters.vllm.adapter import VllmAdapter
+from kvconform.contract.types import AdapterContext, LaunchProfile
+from kvconform.errors import UsageError
+from kvconform.plugin.session import load_profiles
+
+ADAPTERS = Path(__file__).resolve().parents[1] / "kvconform" / "adapters"
+SHIPPED = sorted(ADAPTERS.glob("*/profiles/*.toml"))
+CLASSES = {"vllm": VllmAdapter, "sglang-server": SglangServerAdapter}
+
+
+def adapter_for(profile: LaunchProfile, tmp_path: Path):
+    cls = CLASSES[str(profile.engine)]
+    return cls(AdapterContext(workdir=tmp_path, env_name=profile.env, profile=profile))
+
+
+def parser_env(profile: LaunchProfile) -> envs.BuiltEnv:
+    name = envs.load_spec(profile.env or str(CLASSES[str(profile.engine)].env_spec)).parser_env
+    try:
+        return envs.find(name)
+    except UsageError as exc:
+        pytest.skip(f"CPU env {name} not built, the parser check needs it: {exc}")
+
+
+def test_profiles_are_shipped_for_vllm_and_sglang_server():
+    engines = {LaunchProfile.load(p).engine for p in SHIPPED}
+    assert {"vllm", "sglang-server"} <= engines
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_shipped_profile_parses_with_the_engine_parser(path: Path, tmp_path: Path):
+    profile = LaunchProfile.load(path)
+    assert profile.engine in CLASSES and profile.env and envs.load_spec(profile.env).gpu
+    parser_env(profile)
+    adapter_for(profile, tmp_path).check_command_line()
+
+
+def test_unknown_flag_fails_with_its_name(tmp_path: Path):
+    profile = LaunchProfile.from_dict(
+        {"engine": "vllm", "env": "vllm-cuda", "model": "/m", "extra_args": ["--no-such-kv-flag", "1"]},
+        tmp_path / "bad.toml",
+    )
+    parser_env(profile)
+    with pytest.raises(UsageError, match="--no-such-kv-flag"):
+        adapter_for(profile, tmp_path).check_command_line()
+
+
+def test_vllm_argv_from_profile(tmp_path: Path):
+    profile = LaunchProfile.from_dict(
+        {
+            "engine": "vllm",
+            "model": "org/model",
+            "block_size": 16,
+            "gpu_memory_fraction": 0.8,
+            "tensor_parallel_size": 4,
+            "extra_args": ["--max-num-seqs", "8"],
+            "offload": {"backend": "native", "size_bytes": 4 * 2**30},
+            "kv_events": {"port": 6001},
+            "model_shape": {"layers": 32, "kv_heads": 8, "head_dim": 128},
+        }
+    )
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path, profile=profile))
+    plain, offload = adapter.command_argvs()
+    assert plain[:2] == ["serve", "org/model"]
+    joined = " ".join(plain)
+    for expected in ("--block-size 16", "--gpu-memory-utilization 0.8", "--tensor-parallel-size 4"):
+        assert expected in joined
+    assert plain[-2:] == ["--max-num-seqs", "8"] and "--enable-prompt-tokens-details" in plain
+    assert "--kv-offloading-size 4 --kv-offloading-backend native" in " ".join(offload)
+    assert adapter.block_size() == 16 and adapter.model.kv_bytes_per_token() == 32 * 8 * 128 * 2 * 2
+    events, replay = adapter.open_event_subscriber()
+    adapter.close_event_subscriber()
+    assert (events, replay) == ("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002")
+
+
+def test_vllm_default_profile_keeps_the_tiny_cpu_model(tmp_path: Path):
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    argv = adapter.command_argvs()[0]
+    assert argv[:2] == ["serve", "/placeholder/model"]
+    assert "--load-format dummy" in " ".join(argv) and "--kv-cache-memory-bytes 8388608" in " ".join(argv)
+    assert adapter.served_model_name() == "tiny" and adapter.kv_pool_bytes() == 8 * 2**20
+
+
+def test_connector_profile_has_no_offload_variant(tmp_path: Path):
+    profile = LaunchProfile.from_dict(
+        {"engine": "vllm", "model": "m", "connector": {"kv_transfer_config": {"kv_connector": "X"}}}
+    )
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path, profile=profile))
+    assert len(adapter.command_argvs()) == 1
+    with pytest.raises(NotImplementedError, match="connector"):
+        adapter.offload_args()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"modle": "x"}, "unknown field.*modle"),
+        ({"kv_cache_bytes": 1, "gpu_memory_fraction": 0.5}, "not both"),
+        ({"gpu_memory_fraction": 1.5}, "not in"),
+        ({"block_size": 0}, "positive integer"),
+        ({"extra_args": "--x"}, "list of strings"),
+        ({"model_shape": {"layer": 2}}, "model_shape.*layer"),
+    ],
+)
+def test_bad_profiles_fail_at_load(data, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchProfile.from_dict(data)
+
+
+def test_profile_option_values(tmp_path: Path):
+    vllm = tmp_path / "v.toml"
+    vllm.write_text('engine = "vllm"\nmodel = "m"\n')
+    anyone = tmp_path / "any.toml"
+    anyone.write_text('model = "m"\n')
+    assert set(load_profiles([str(vllm)], ["vllm", "lmcache"])) == {"vllm"}
+    assert set(load_profiles([str(anyone)], ["vllm", "sglang-server"])) == {"vllm", "sglang-server"}
+    assert set(load_profiles([f"lmcache={anyone}"], ["vllm", "lmcache"])) == {"lmcache"}
+    with pytest.raises(pytest.UsageError, match="for engine 'vllm'"):
+        load_profiles([f"lmcache={vllm}"], ["lmcache"])
