@@ -1,5 +1,5 @@
 """Entries damaged inside a remote KV tier (Redis/Valkey...) are recomputed, never served, and
-they do not take intact entries down with them.
+they do not take intact entries down with them (in this session or the next).
 
 The suite writes the damage with its own client, straight into the remote store, while the
 engine is stopped (the remote server keeps running: that is what a remote tier is). Then:
@@ -65,4 +65,14 @@ def test_remote_damaged_entry_recomputed(
         note="a prompt whose entries were not damaged is still served whole after the damaged read",
     )
     verdict.equal("intact_prefix_output_identical", int(after.output == intact_cold.output), 1)
+    engine.flush_persistent()
+    engine.restart()  # what the session after the damaged read left in the store
+    again = engine.serve_prompt(intact)
+    verdict.record("intact_prefix_hits_next_session", again.cached_tokens, "tokens")
+    verdict.equal(
+        "intact_prefix_output_next_session",
+        int(again.output == intact_cold.output),
+        1,
+        note="entries rewritten after the damaged read hold the bytes that were stored",
+    )
     verdict.conclude()
