@@ -233,10 +233,30 @@ def load_records(results_dir: Path) -> list[dict[str, Any]]:
 
 
 def merge(results_dir: Path, session: dict[str, Any]) -> Path:
+    """results.json, written atomically (a temporary file renamed over it): a full disk or a
+    directory that is not writable leaves no results.json rather than a partial one, and the
+    error says where the per-check records still are."""
     records = _read_jsonl(results_dir)
     out = results_dir / "results.json"
-    out.write_text(json.dumps({"session": session, "records": records}, indent=1))
+    write_atomic(out, json.dumps({"session": session, "records": records}, indent=1))
     return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(
+            exc.errno,
+            f"kvconform: could not write {path} ({exc.strerror or exc}); it was NOT written "
+            f"(no partial file); the per-check records are in {path.parent}/records-*.jsonl",
+        ) from exc
 
 
 def _read_jsonl(results_dir: Path) -> list[dict[str, Any]]:
