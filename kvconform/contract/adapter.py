@@ -12,9 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
 import requests
 
 from kvconform import envs
@@ -36,6 +38,7 @@ from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot, parse_prometheus
 from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
+from kvconform.results import Measure
 
 
 class EngineAdapter(ABC):
@@ -138,20 +141,61 @@ class EngineAdapter(ABC):
         return self.default_block_size
 
     # ---- lifecycle ----------------------------------------------------------------------
+    # Why the last request failed at the transport (timed out, connection refused): the next
+    # ensure() makes sure the engine still answers before a check relies on it.
+    _suspect: str | None = None
+    _lost: str | None = None  # attach mode: the engine went away; the rest is skipped
+
     def ensure(self, config: EngineConfig | None = None) -> None:
-        """Have the engine running in `config` (default config if None); restart if needed."""
+        """Have the engine running in `config` (default config if None); restart if needed.
+
+        Launch mode: an engine of the same config that died, or stopped answering after a
+        request timed out, is stopped (teardown audited) and relaunched; the check's record
+        says so (`take_notes`). Attach mode: an engine that went away cannot be relaunched, so
+        this and every later check is skipped with the reason."""
         config = config or EngineConfig()
         if self.attached:
-            if self.config is None:
-                self.check_reachable()
-                self.config = config
+            self._ensure_attached(config)
             return
-        if self.config == config and self.running():
-            return
-        if self.config is not None:
-            self.stop()
+        lost = None
+        if self.config == config:
+            if self.running() and (self._suspect is None or self.healthy()):
+                self._suspect = None
+                return
+            lost = "its process died" if not self.running() else f"it stopped answering ({self._suspect})"
+        reports = self.stop() if self.config is not None else []
+        self._suspect = None
         self.start(config)
         self.config = config
+        if lost is not None:
+            teardown = "; ".join(r.describe() for r in reports) or "nothing to tear down"
+            self._notes().append(
+                f"engine {self.name} relaunched before this check: {lost}; teardown: {teardown}"
+            )
+
+    def _ensure_attached(self, config: EngineConfig) -> None:
+        if self._lost is None and (self.config is None or self._suspect is not None):
+            try:
+                self.check_reachable()
+            except UsageError as exc:
+                if self.config is None:
+                    raise
+                self._lost = f"{exc} after {self._suspect}"
+            self._suspect = None
+            self.config = config
+        if self._lost is not None:
+            pytest.skip(
+                f"engine {self.name} went away during the session ({self._lost}); attach mode "
+                "cannot relaunch it, so the rest of the session is skipped"
+            )
+
+    def _notes(self) -> list[str]:
+        return self.__dict__.setdefault("_relaunch_notes", [])
+
+    def take_notes(self) -> list[dict[str, Any]]:
+        """What happened to the engine for the running check (a relaunch), as record measures."""
+        notes, self.__dict__["_relaunch_notes"] = self._notes(), []
+        return [asdict(Measure("engine_relaunched", note)) for note in notes]
 
     def start(self, config: EngineConfig) -> None:
         raise NotImplementedError
@@ -460,6 +504,7 @@ class EngineAdapter(ABC):
                 method, self.url(path), timeout=timeout or self.ctx.request_timeout_s, **kw
             )
         except requests.RequestException as exc:
+            self._suspect = f"{method} {path} failed: {type(exc).__name__}"
             raise EngineError(self.name, f"{method} {path} failed: {exc}", self.log_tail()) from None
         if resp.status_code >= 400:
             raise EngineError(

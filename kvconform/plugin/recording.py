@@ -82,7 +82,8 @@ class Recording:
                 "check": check_id(item),
                 "engine": name or "-",
                 "engine_version": adapter.version if adapter else "-",
-                "measures": verdict.as_dict()["measures"] if verdict else [],
+                "measures": (verdict.as_dict()["measures"] if verdict else [])
+                + (adapter.take_notes() if hasattr(adapter, "take_notes") else []),  # a relaunch
                 "violated": [m.name for m in verdict.failures] if verdict else [],
             }
             if item.stash.get(_inconclusive_key, False):
