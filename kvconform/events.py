@@ -7,7 +7,10 @@ judge with an independent model) and reports:
   - double_remove: a block removed again after its removal, with no store in between;
   - seq_gap: sequence numbers the engine skipped (transport losses are filled by replay
     before judging, where the engine offers one, so a gap is the engine's own);
-  - seq_regress: a sequence number repeated or going backwards.
+  - seq_regress: a sequence number repeated or going backwards (also as the engine sent them:
+    a live batch arriving after a later one, or a live batch repeated, noted by the subscriber).
+Batches that failed to decode cannot be judged: EventLedger.judge() raises UndecodableEvents
+naming them (they were never silently dropped from the history being judged).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from kvconform.errors import KvconformError
 
 Kind = Literal["stored", "removed", "cleared"]
 
@@ -72,12 +77,32 @@ class LedgerVerdict:
         return sum(len(blocks) for blocks in self.resident.values())
 
 
+class UndecodableEvents(KvconformError):
+    """KV-event batches the subscriber could not decode: the ledger lacks their events."""
+
+
 class EventLedger:
-    """Thread-safe append-only history; `judge()` is a pure function of it."""
+    """Thread-safe append-only history; `judge()` is a pure function of it (plus what the
+    transport noted: undecodable batches, batches out of the engine's order)."""
 
     def __init__(self) -> None:
         self._events: list[KvEvent] = []
         self._lock = threading.Lock()
+        self.undecodable: dict[int, str] = {}  # seq -> why it failed to decode
+        self.disorder: list[Violation] = []  # seq_regress seen on arrival
+
+    def note_undecodable(self, seq: int, why: str) -> None:
+        with self._lock:
+            self.undecodable[seq] = why
+
+    def note_decoded(self, seq: int) -> None:
+        """A batch that failed live but came whole from the engine's replay socket."""
+        with self._lock:
+            self.undecodable.pop(seq, None)
+
+    def note_disorder(self, seq: int, detail: str) -> None:
+        with self._lock:
+            self.disorder.append(Violation("seq_regress", seq, detail=detail))
 
     def extend(self, events: Iterable[KvEvent]) -> None:
         with self._lock:
@@ -96,7 +121,18 @@ class EventLedger:
             return list(self._events[mark:])
 
     def judge(self) -> LedgerVerdict:
-        return judge(self.events())
+        with self._lock:
+            undecodable = dict(self.undecodable)
+            disorder = list(self.disorder)
+        if undecodable:
+            shown = "; ".join(f"seq {seq}: {why}" for seq, why in sorted(undecodable.items())[:5])
+            raise UndecodableEvents(
+                f"KV events: {len(undecodable)} batch(es) failed to decode (also from replay) and are "
+                f"missing from the ledger, so it cannot be judged: {shown}"
+            )
+        verdict = judge(self.events())
+        verdict.violations.extend(disorder)
+        return verdict
 
 
 def judge(history: list[KvEvent]) -> LedgerVerdict:

@@ -34,6 +34,7 @@ class MetricSnapshot:
 
     taken_at: float
     samples: dict[str, dict[LabelSet, float]] = field(default_factory=dict)
+    note: str = ""  # what was odd about the scrape (an empty body), for error messages
 
     def names(self) -> list[str]:
         return sorted(self.samples)
@@ -50,7 +51,8 @@ class MetricSnapshot:
         if rows is None:
             if default is not None:
                 return default
-            raise KeyError(f"metric {name!r} not exported (have {len(self.samples)} others)")
+            why = f": {self.note}" if self.note else ""
+            raise KeyError(f"metric {name!r} not exported (have {len(self.samples)} others){why}")
         wanted = set(labels.items())
         return sum(v for k, v in rows.items() if wanted <= k)
 
@@ -73,7 +75,21 @@ class MetricSnapshot:
 
 
 def parse_prometheus(text: str, engine: str = "?", source: str = "/metrics") -> MetricSnapshot:
+    """One scrape. A body cut off mid-line (Prometheus text ends every line, the last one
+    included, with a newline) is an EngineError: a cut `name 12` would otherwise parse as a
+    smaller number than the engine sent. An empty body is an empty snapshot (engines create
+    some metrics on first use) that says so when a check asks it for a metric."""
     snapshot = MetricSnapshot(taken_at=time.time())
+    if not text.strip():
+        snapshot.note = f"{engine} {source} answered an empty body ({len(text)} bytes)"
+        return snapshot
+    if not text.endswith("\n"):
+        last = text.rsplit("\n", 1)[-1]
+        raise EngineError(
+            engine,
+            f"{source} is truncated: the body ({len(text)} bytes) ends mid-line without a newline, "
+            f"last line {last[-120:]!r}",
+        )
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

@@ -189,6 +189,9 @@ class EngineProcess:
         forced = False
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
+        # A stopped (SIGSTOPped, hung in a debugger) tree only acts on the signal once it runs
+        # again: continue it, or teardown waits the whole grace period for nothing.
+        self._continue_all()
         escaped: list[str] = []
         if not self._wait_gone(grace_s):
             forced = True
@@ -242,6 +245,14 @@ class EngineProcess:
             time.sleep(0.1)
         return False
 
+    def _continue_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, signal.SIGCONT)
+        for proc in self._survivors():
+            if _pgid(proc.pid) != self.pgid:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(signal.SIGCONT)
+
     def _kill_all(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, signal.SIGKILL)
@@ -278,9 +289,12 @@ def wait_until_ready(
     while True:
         if not process.alive():
             code = process.popen.poll()
-            raise EngineStartError(
-                engine, f"{process.name} exited with code {code} before {what}", process.log_tail()
-            )
+            tail = process.log_tail()
+            why = f"{process.name} exited with code {code} before {what}"
+            if "address already in use" in tail.lower():
+                why += " (a port it was given was taken by another process: 'Address already in use')"
+            process.stop(grace_s=5)  # audit what it left (its children, /dev/shm)
+            raise EngineStartError(engine, why, tail)
         with contextlib.suppress(Exception):
             if probe():
                 return time.monotonic() - t0

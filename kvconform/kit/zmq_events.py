@@ -77,6 +77,8 @@ class ZmqEventSubscriber:
         self.topic = topic.encode()
         self.decode_errors: list[str] = []
         self.seen: set[int] = set()
+        self.live_seen: set[int] = set()
+        self._live_max = -1
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, self.topic)
@@ -99,15 +101,26 @@ class ZmqEventSubscriber:
 
     def _accept(self, seq_bytes: bytes, payload: bytes) -> None:
         seq = int.from_bytes(seq_bytes, "big", signed=True)
+        live = threading.current_thread() is self._thread
         with self._lock:
+            if live:  # the engine's own order (replay answers come late by design)
+                if seq in self.live_seen:
+                    self.ledger.note_disorder(seq, "live batch repeated")
+                elif self.live_seen and seq < self._live_max:
+                    self.ledger.note_disorder(seq, f"arrived after seq {self._live_max}")
+                self.live_seen.add(seq)
+                self._live_max = max(self._live_max, seq)
             if seq in self.seen:
                 return
             try:
                 events = decode_batch(seq, payload)
             except Exception as exc:
-                self.decode_errors.append(f"seq {seq}: {type(exc).__name__}: {exc}")
+                why = f"{type(exc).__name__}: {str(exc)[:200]}"
+                self.decode_errors.append(f"seq {seq}: {why}")
+                self.ledger.note_undecodable(seq, f"{why} (from {self.endpoint})")
                 return
             self.seen.add(seq)
+            self.ledger.note_decoded(seq)
         self.ledger.extend(events)
 
     def fill_gaps(self, timeout_ms: int = 2000) -> int:
