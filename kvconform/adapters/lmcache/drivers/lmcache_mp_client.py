@@ -638,7 +638,11 @@ def _wait_write_unlocked(timeout_s: float) -> float | None:
     t0 = time.monotonic()
     while True:
         status = _http_json("/status")
-        managers = status.get("storage_manager", {}).get("l1_managers") or {}
+        sm = status.get("storage_manager", {})
+        # 0.5.6: {"l1_managers": {tag: status}}; LMCache <= 0.5.5: one {"l1_manager": status}
+        managers = sm.get("l1_managers") or ({"l1": sm["l1_manager"]} if "l1_manager" in sm else {})
+        if not managers:
+            raise RuntimeError(f"GET /status has no L1 manager status: {sorted(sm)}")
         if all(m.get("write_locked_count", 0) == 0 for m in managers.values()):
             return round((time.monotonic() - t0) * 1000, 3)
         if time.monotonic() - t0 > timeout_s:
