@@ -7,6 +7,12 @@ nothing was looked up). Where the counters are cumulative (since engine start), 
 decrease between two iterations; where they are per iteration, the identity holds per row.
 A pool that leaks a block, or a hit rate computed over another window than its own counters,
 sends an operator sizing caches after the wrong number.
+
+The counters themselves are judged against our oracle of the workload, exactly: PROMPTS
+prompts share a prefix of 4 whole blocks + 3 tokens, so each prompt after the first reuses
+exactly floor(shared / block) blocks (the last prompt token is always computed, and the
+prompts are longer than the prefix), and misses every other block it touches
+(ceil(len / block) - reused). The pool's block size is what the suite asked for.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import pytest
 
 from kvconform.contract import BlockPoolStats, EngineAdapter, EngineConfig
 from kvconform.contract import Capability as C
+from kvconform.oracles import pages
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
@@ -61,10 +68,14 @@ def test_block_pool_stats_consistent(engine: EngineAdapter, prompts: PromptFacto
     engine.ensure(EngineConfig())
     before_pools = engine.block_pool_stats()
     before = len(before_pools)
-    block = engine.block_size()
+    block = engine.block_size()  # what the suite asked for (the adapter's default config)
     shared = prompts.fresh(4 * block + 3)
-    for i in range(PROMPTS):
-        engine.serve_prompt(prompts.extend(shared, 6 * block + i))
+    workload = [prompts.extend(shared, 6 * block + i) for i in range(PROMPTS)]
+    for tokens in workload:
+        engine.serve_prompt(tokens)
+    reusable = len(shared) // block  # < (len(tokens) - 1) // block for every prompt
+    expected_reused = (PROMPTS - 1) * reusable
+    expected_missed = sum(pages(len(t), block) for t in workload) - expected_reused
     pools = settled_stats(engine, before)
     new = pools[before:]
 
@@ -77,10 +88,12 @@ def test_block_pool_stats_consistent(engine: EngineAdapter, prompts: PromptFacto
         if cumulative and (b.reused_blocks < a.reused_blocks or b.missed_blocks < a.missed_blocks)
     ]
     if cumulative:
-        baseline = before_pools[-1].reused_blocks if before_pools else 0
-        reuse = max((s.reused_blocks for s in new), default=baseline) - baseline
+        start = before_pools[-1] if before_pools else None
+        reuse = max((s.reused_blocks for s in new), default=0) - (start.reused_blocks if start else 0)
+        missed = max((s.missed_blocks for s in new), default=0) - (start.missed_blocks if start else 0)
     else:
         reuse = sum(s.reused_blocks for s in new)
+        missed = sum(s.missed_blocks for s in new)
 
     verdict.record("block_size", block, "tokens")
     verdict.record("counters", "cumulative" if cumulative else "per-iteration")
@@ -91,13 +104,27 @@ def test_block_pool_stats_consistent(engine: EngineAdapter, prompts: PromptFacto
         verdict.record("tokens_per_block", last.tokens_per_block, "tokens")
         verdict.record("last_hit_rate", last.hit_rate)
     verdict.expect("iterations_reported", len(new), ">=", 1, note="the requests must produce iteration stats")
-    verdict.expect(
+    if new:
+        verdict.equal(
+            "pool_tokens_per_block_vs_requested",
+            new[-1].tokens_per_block,
+            block,
+            "tokens",
+            note="the block size the suite asked for; an engine forcing another fails here",
+        )
+    verdict.equal(
         "reused_blocks_during_run",
         reuse,
-        ">=",
-        1,
+        expected_reused,
         "blocks",
-        note=f"{PROMPTS} prompts share {len(shared)} tokens; without reuse hit_rate is only checked at 0/0",
+        note=f"{PROMPTS} prompts share {len(shared)} tokens: {PROMPTS - 1} x floor({len(shared)}/{block})",
+    )
+    verdict.equal(
+        "missed_blocks_during_run",
+        missed,
+        expected_missed,
+        "blocks",
+        note="sum of ceil(len/block) over the prompts, less the reused blocks",
     )
     verdict.equal(
         "iterations_used_plus_free_not_max",

@@ -1,4 +1,4 @@
-"""Reading an engine's prefix counters for exactly one request."""
+"""Reading an engine's prefix counters for exactly one request; the block size it resolved."""
 
 from __future__ import annotations
 
@@ -24,3 +24,19 @@ def wait_counted(
         if queried >= queried_tokens or time.monotonic() > deadline:
             return queried, engine.metric_delta("prefix_hits", before, after)
         time.sleep(0.1)
+
+
+def resolved_block_size(engine: EngineAdapter) -> int | None:
+    """The block size the running engine says it uses, where it can say (None if not).
+
+    Judged against what the suite requested, never used as the oracle's block: an engine that
+    silently forces another block size must fail, not have its oracle follow it. An adapter
+    may offer `resolved_block_size()`; in attach mode `attached_block_size()` reads the server.
+    """
+    own = getattr(engine, "resolved_block_size", None)
+    if callable(own):
+        value = own()
+        return int(value) if value is not None else None
+    if engine.attached and type(engine).attached_block_size is not EngineAdapter.attached_block_size:
+        return int(engine.attached_block_size())
+    return None

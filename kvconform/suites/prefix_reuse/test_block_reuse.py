@@ -15,7 +15,7 @@ from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
-from kvconform.suites.prefix_reuse.counters import wait_counted
+from kvconform.suites.prefix_reuse.counters import resolved_block_size, wait_counted
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE)
 
@@ -29,14 +29,39 @@ def cache(engine: EngineAdapter, has) -> EngineAdapter:
     return engine
 
 
-def oracle(engine: EngineAdapter, shared: int, prompt_len: int) -> int:
-    return prefix_hit_tokens(shared, prompt_len, engine.block_size(), engine.recomputes_last_token)
+def requested_block_size(engine: EngineAdapter) -> int:
+    """The block size the suite asked for: its config's, else the adapter's default (in attach
+    mode the operator chose; the adapter's default is what the suite assumes)."""
+    config = engine.config
+    return (
+        config.block_size
+        if config is not None and config.block_size is not None
+        else engine.default_block_size
+    )
+
+
+def oracle(engine: EngineAdapter, shared: int, prompt_len: int, block: int | None = None) -> int:
+    block = block if block is not None else requested_block_size(engine)
+    return prefix_hit_tokens(shared, prompt_len, block, engine.recomputes_last_token)
+
+
+def expect_block_size(engine: EngineAdapter, verdict: Verdict, requested: int) -> None:
+    """Requested vs resolved block size, its own expectation (when the engine can tell)."""
+    resolved = resolved_block_size(engine)
+    verdict.record("requested_block_size", requested, "tokens")
+    if resolved is None:
+        verdict.record("resolved_block_size", "not reported by the engine")
+        return
+    verdict.equal(
+        "resolved_block_size", resolved, requested, "tokens", note="what the engine says it runs at"
+    )
 
 
 def test_repeated_prompt_served_from_cache(
     cache: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    block = cache.block_size()
+    block = requested_block_size(cache)
+    expect_block_size(cache, verdict, block)
     prompt = prompts.fresh(10 * block)  # block-aligned: the last-token rule decides the last block
     first = cache.serve_prompt(prompt)
     verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")
@@ -57,7 +82,7 @@ def test_repeated_prompt_served_from_cache(
 def test_reset_drops_cached_prefix(
     cache: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    block = cache.block_size()
+    block = requested_block_size(cache)
     prompt = prompts.fresh(6 * block + 3)
     cache.serve_prompt(prompt)
     warm = cache.serve_prompt(prompt)
@@ -99,7 +124,8 @@ def test_partial_block_prefix_hits_match_oracle(
     engine.serve_prompt(first)
     before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
     result = engine.serve_prompt(second)
-    expected = oracle(engine, shared, len(second))
+    expected = oracle(engine, shared, len(second), block=block_size)  # the requested size
+    expect_block_size(engine, verdict, block_size)
     verdict.record("block_size", block_size, "tokens")
     verdict.record("shared_prefix_tokens", shared, "tokens")
     verdict.record("prompt_tokens", len(second), "tokens")

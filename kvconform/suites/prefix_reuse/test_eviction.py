@@ -1,5 +1,5 @@
-"""Eviction hygiene: an evicted prefix is not reported as a hit, and hits + misses account
-for every queried token (a prefix index not cleaned on eviction reports phantom hits)."""
+"""Eviction hygiene: an evicted prefix is not reported as a hit, in the response or in the
+engine's counters (a prefix index not cleaned on eviction reports phantom hits)."""
 
 from __future__ import annotations
 
@@ -59,5 +59,4 @@ def test_evicted_prefix_not_reported_as_hit(
         queried, hits = wait_counted(engine, before, engine.queried_tokens(len(target)))
         verdict.equal("queried_tokens_counter_delta", queried, engine.queried_tokens(len(target)), "tokens")
         verdict.equal("hit_tokens_counter_delta", hits, again.cached_tokens, "tokens")
-        verdict.expect("hits_plus_misses_cover_queries", hits + (queried - hits), "==", queried)
     verdict.conclude()
