@@ -3,7 +3,11 @@
 A Hypothesis state machine drives the real cache (insert on the scheduler's request path,
 match, lock, unlock, evict) against a simple model of what was inserted and what is locked:
   - free + cached = capacity, and evictable + protected = cached, after every step;
-  - a match never returns more than the longest page-aligned prefix ever inserted;
+  - a match never returns more than the longest page-aligned prefix ever inserted, and never
+    less than the longest page-aligned prefix the model knows is still cached (inserted since
+    the last step that could evict: an evict, or an insert the free pool could not hold
+    without evicting; locked prefixes stay cached through both), so with no eviction in
+    between a match is exact;
   - a locked prefix is never evicted;
   - after everything is unlocked and evicted, the cache is empty and the hashes it reported
     stored equal the hashes it reported removed (its KV events account for every block).
@@ -51,6 +55,7 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
             engine.radix_new(page, CAPACITY)
             self.inserted: list[list[int]] = []
             self.locks: list[tuple[int, list[int], int]] = []  # handle, tokens, locked length
+            self.cached: list[list[int]] = []  # what the model knows is still cached
             self.stored: Counter[str] = Counter()
             self.removed: Counter[str] = Counter()
             self._take_events()
@@ -66,14 +71,21 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
                     self.stored.clear()
                     self.removed.clear()
 
-        def longest_inserted(self, tokens: list[int]) -> int:
+        def longest_inserted(self, tokens: list[int], among: list[list[int]] | None = None) -> int:
             best = 0
-            for seq in self.inserted:
+            for seq in self.inserted if among is None else among:
                 n = 0
                 while n < min(len(seq), len(tokens)) and seq[n] == tokens[n]:
                     n += 1
                 best = max(best, n)
             return floor_page(best, page)
+
+        def longest_cached(self, tokens: list[int]) -> int:
+            """The model's lower bound: what it knows nothing could have evicted."""
+            return self.longest_inserted(tokens, self.cached + [t[:n] for _h, t, n in self.locks])
+
+        def _may_have_evicted(self) -> None:
+            self.cached = []  # only locked prefixes are still known to be cached
 
         @rule(
             target=sequences,
@@ -82,17 +94,22 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
         )
         def insert(self, prefix: list[int], suffix: list[int]) -> list[int]:
             tokens = prefix + suffix
+            if engine.radix("stats")["available_size"] < len(tokens):
+                self._may_have_evicted()  # admitting it may evict to make room
             result = engine.radix("insert", token_ids=tokens)
             assert result["prefix_len"] <= self.longest_inserted(tokens), (
                 f"insert of {len(tokens)} tokens matched {result['prefix_len']}, more than ever inserted"
             )
             self.inserted.append(tokens)
+            self.cached.append(tokens)
             return tokens
 
         @rule(tokens=sequences)
         def match(self, tokens: list[int]) -> None:
             found = engine.radix("match", token_ids=tokens)["prefix_len"]
             assert found <= self.longest_inserted(tokens), f"match {found} > longest inserted prefix"
+            floor = self.longest_cached(tokens)
+            assert found >= floor, f"match {found} < {floor} tokens the model knows are cached (lost hits)"
 
         @rule(tokens=sequences)
         def lock(self, tokens: list[int]) -> None:
@@ -110,6 +127,7 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
         @rule(num_tokens=st.integers(1, CAPACITY))
         def evict(self, num_tokens: int) -> None:
             engine.radix("evict", num_tokens=num_tokens)
+            self._may_have_evicted()
             for _handle, tokens, length in self.locks:
                 found = engine.radix("match", token_ids=tokens)["prefix_len"]
                 assert found >= length, f"locked prefix of {length} tokens evicted (now {found})"
