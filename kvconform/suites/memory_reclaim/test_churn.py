@@ -5,6 +5,13 @@ over many. Each cycle creates an instance, loads it with prefix-sharing requests
 it; memory of the engine's own processes is sampled continuously, the baseline is taken
 after a warm-up cycle, and each cycle's post-release minimum is kept. Verdict per measure:
 final delta vs baseline within a tolerance, and a Theil-Sen leak slope below a bound.
+
+No coin tosses: an exact measure (mapped bytes, counts, per-process GPU memory) moves only
+when memory is held, so its slope is judged as is. A noisy one (RSS) is judged by the
+slope's 95 % confidence band: the churn goes on, a few cycles at a time (up to
+MAX_CYCLE_FACTOR x the requested cycles, as far as the release path allows), until the whole
+band is on one side of the bound; if it still straddles the bound, the check fails as
+INCONCLUSIVE (its own outcome in results.json), never a pass.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.sampling import PeriodicSampler
-from kvconform.suites.memory_reclaim.bounds import bounds_for
+from kvconform.suites.memory_reclaim.bounds import MAX_CYCLE_FACTOR, bounds_for, undecided
 
 pytestmark = pytest.mark.requires(C.INSTANCE_CHURN)
 
@@ -77,14 +84,25 @@ def test_churn_returns_to_baseline(
     baseline_measures = engine.reclaim_probe()
     baseline = settled(engine.reclaim_probe, None, window_s=1.0)
     values: dict[str, list[float]] = {name: [] for name in baseline}
+    most = max(cycles, engine.churn_cycles(path, MAX_CYCLE_FACTOR * cycles))
+    step = max(2, cycles // 2)
+    done = 0
     with ContinuousSampler(engine.reclaim_probe) as sampler:
-        for cycle in range(1, cycles + 1):
-            engine.churn_cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
-            post = settled(engine.reclaim_probe, baseline_measures)
-            for name in values:
-                values[name].append(post.get(name, float("nan")))
+        target = cycles
+        while True:
+            for cycle in range(done + 1, target + 1):
+                engine.churn_cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
+                post = settled(engine.reclaim_probe, baseline_measures)
+                for name in values:
+                    values[name].append(post.get(name, float("nan")))
+            done = target
+            open_measures = undecided(baseline_measures, baseline, values, bounds)
+            if not open_measures or done >= most:
+                break
+            target = min(most, done + step)  # the slope's band straddles its bound: churn on
     verdict.record("release_path", path)
-    verdict.record("cycles", cycles)
+    verdict.record("cycles", done)
+    verdict.record("cycles_requested", cycles, note=f"extended up to {most} while a noisy slope is undecided")
     for name, series in values.items():
         kind = baseline_measures[name]
         unit = kind.unit
@@ -101,16 +119,29 @@ def test_churn_returns_to_baseline(
             tolerance=bounds.gate_tolerance(kind),
             note="post-release minimum of the last cycle vs baseline",
         )
-        verdict.expect(
-            f"{name}.leak_slope",
-            trend.slope,
-            "<=",
-            bounds.slope(kind),
-            f"{unit}/cycle",
-            better="lower",
-            tolerance=bounds.gate_tolerance(kind, slope=True),
-            note=f"Theil-Sen, band [{trend.low:.0f}, {trend.high:.0f}]",
-        )
+        if kind.exact:
+            verdict.expect(
+                f"{name}.leak_slope",
+                trend.slope,
+                "<=",
+                bounds.slope(kind),
+                f"{unit}/cycle",
+                better="lower",
+                tolerance=bounds.gate_tolerance(kind, slope=True),
+                note=f"Theil-Sen, band [{trend.low:.0f}, {trend.high:.0f}]",
+            )
+        else:  # noisy: decided only when the whole confidence band is on one side
+            verdict.expect_banded(
+                f"{name}.leak_slope",
+                trend.slope,
+                (trend.low, trend.high),
+                "<=",
+                bounds.slope(kind),
+                f"{unit}/cycle",
+                better="lower",
+                tolerance=bounds.gate_tolerance(kind, slope=True),
+                note="Theil-Sen 95 %",
+            )
         verdict.add_series(f"{name} over time", sampler.points.get(name, []))
     verdict.conclude()
 
