@@ -89,10 +89,12 @@ class DriverProcess:
         try:
             return json.loads(line)
         except json.JSONDecodeError:
+            # Its channel is out of step now (a late reply would answer the next request):
+            # stop it, so the adapter sees a dead driver and relaunches it for the next check.
+            tail = self.log_tail()
+            self.process.stop(grace_s=2)
             raise DriverError(
-                self.engine,
-                f"driver wrote a non-protocol line during {op!r}: {line[:200]!r}",
-                self.log_tail(),
+                self.engine, f"driver wrote a non-protocol line during {op!r}: {line[:200]!r}", tail
             ) from None
 
     def call(self, op: str, timeout_s: float = 120.0, **args: Any) -> Any:
@@ -108,9 +110,9 @@ class DriverProcess:
             raise DriverError(self.engine, f"driver closed its input (op {op!r})", self.log_tail()) from None
         reply = self._next_line(timeout_s, op)
         if reply.get("id") != req_id:
-            raise DriverError(
-                self.engine, f"reply id {reply.get('id')} for request {req_id} ({op})", self.log_tail()
-            )
+            tail = self.log_tail()
+            self.process.stop(grace_s=2)  # out of step, as above
+            raise DriverError(self.engine, f"reply id {reply.get('id')} for request {req_id} ({op})", tail)
         if not reply.get("ok"):
             raise DriverError(
                 self.engine, f"op {op!r} failed: {reply.get('error')}", reply.get("traceback", "")
