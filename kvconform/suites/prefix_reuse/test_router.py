@@ -3,6 +3,12 @@
 The router's index is built from the workers' KV events; a removal it misses (or a block it
 misplaces) turns into a prediction the worker does not honour. The workload mixes shared
 prefixes, repeats and evictions so that stores and removals both reach the router.
+
+Both the prediction and what the worker served are also judged against our own oracle: the
+whole blocks a request shares with a prompt served before it in the same phase (the router
+sends it to the worker holding them; the first phase starts cold and the eviction fill
+empties every worker), one token fewer where the engine computes the last prompt token.
+Without it a router predicting 0 for a worker serving 0 would pass.
 """
 
 from __future__ import annotations
@@ -11,11 +17,25 @@ import pytest
 
 from kvconform.contract import Capability as C
 from kvconform.contract import EngineAdapter, EngineConfig, poll_until
+from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.test_eviction import fill_cache
 
 pytestmark = pytest.mark.requires(C.ROUTER_PREDICTION)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def oracle_cached(served_before: list[list[int]], tokens: list[int], block: int, last_token: bool) -> int:
+    """Whole blocks of the longest prefix `tokens` shares with a prompt served before it."""
+    shared = max((shared_prefix(tokens, prev) for prev in served_before), default=0)
+    return prefix_hit_tokens(shared, len(tokens), block, last_token)
 
 
 def test_router_prediction_matches_worker(
@@ -27,21 +47,32 @@ def test_router_prediction_matches_worker(
     workload = [prompts.extend(system, 6 * block + i) for i in range(4)]
     workload += [workload[0], workload[2]]
     before = engine.metrics()
-    mismatches = []
+    mismatches, predicted_off, served_off = [], [], []
     rows = []
     for phase in ("warm", "after_eviction"):
         if phase == "after_eviction":
             fill_cache(engine, prompts)
+        served_before: list[list[int]] = []
         for tokens in workload:
+            expected = oracle_cached(served_before, tokens, block, engine.recomputes_last_token)
             predicted, served = engine.serve_routed(tokens)
-            rows.append((phase, len(tokens), predicted, served.cached_tokens))
+            served_before.append(tokens)
+            rows.append((phase, len(tokens), predicted, served.cached_tokens, expected))
+            where = f"{phase} len={len(tokens)} predicted={predicted} cached={served.cached_tokens}"
             if predicted != served.cached_tokens:
-                mismatches.append(
-                    f"{phase} len={len(tokens)} predicted={predicted} cached={served.cached_tokens}"
-                )
+                mismatches.append(where)
+            if predicted != expected:
+                predicted_off.append(f"{where} oracle={expected}")
+            if served.cached_tokens != expected:
+                served_off.append(f"{where} oracle={expected}")
     verdict.record("requests", len(rows))
-    verdict.record("predicted_vs_cached", "; ".join(f"{p}/{c}" for _ph, _n, p, c in rows))
+    verdict.record("predicted_vs_cached_vs_oracle", "; ".join(f"{p}/{c}/{o}" for _ph, _n, p, c, o in rows))
+    verdict.record(
+        "oracle_cached_tokens_total", sum(o for *_r, o in rows), "tokens", note="hits are expected"
+    )
     verdict.equal("mispredicted_requests", len(mismatches), 0, note="; ".join(mismatches[:6]))
+    verdict.equal("predictions_off_oracle", len(predicted_off), 0, note="; ".join(predicted_off[:6]))
+    verdict.equal("served_cached_off_oracle", len(served_off), 0, note="; ".join(served_off[:6]))
     after = engine.metrics()
     applied = engine.router_event_status(before, after)
     if applied is not None:
