@@ -242,10 +242,24 @@ def compare_steps(before: Step, after: Step) -> Change | None:
         key = (row.engine, check)
         if key in measures:
             continue
-        b = _measure_values(before.results.records.get(key))
-        a = _measure_values(after.results.records.get(key))
+        b_rec, a_rec = before.results.records.get(key), after.results.records.get(key)
+        b, a = _measure_values(b_rec), _measure_values(a_rec)
         measures[key] = [(name, b.get(name), a.get(name)) for name in dict.fromkeys([*b, *a])]
+        # a side that failed before measuring anything (a crash, an API the driver cannot call)
+        # is a different kind of change from a measure moving: say what stopped it
+        for version, rec in ((before.version, b_rec), (after.version, a_rec)):
+            why = _unmeasured_failure(rec)
+            if why:
+                row.detail += f" [{version}: no measures, {why}]"
     return Change(before.version, after.version, rows, measures)
+
+
+def _unmeasured_failure(rec: dict[str, Any] | None) -> str:
+    if rec is None or rec.get("outcome") not in gate.FAILING or rec.get("measures"):
+        return ""
+    lines = [ln.strip() for ln in str(rec.get("message") or "").splitlines() if ln.strip()]
+    line = next((ln for ln in lines if "Error" in ln or "error" in ln), lines[0] if lines else "")
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def bisect(

@@ -217,3 +217,12 @@ def test_fault_sets_only_for_reference():
     )  # fmt: skip
     with pytest.raises(UsageError, match="reference engine"):
         kb.run_cli(args)
+
+
+def test_side_that_measured_nothing_says_why():
+    crashed = {"check": CHECK, "engine": "fake", "outcome": "failed", "measures": [], "violated": [],
+               "message": "DriverError: op 'new_cache' failed: TypeError: keyword 'x'"}  # fmt: skip
+    result = kb.bisect("fake", ["a", "b"], fake_runner({"a": [crashed], "b": [record("passed", 0)]}, []))
+    (row,) = result.first.rows
+    assert row.verdict == "fixed"
+    assert "[a: no measures, DriverError: op 'new_cache' failed" in row.detail
