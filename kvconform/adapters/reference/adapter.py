@@ -94,7 +94,7 @@ class ReferenceAdapter(EngineAdapter):
         "l2_store_submitted": "kvref_disk_store_submitted_total",
         "l2_store_completed": "kvref_disk_store_completed_total",
     }
-    churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
+    churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close", "restart", "destroy")
     event_settle_s: ClassVar[float] = 0.3  # events leave the engine with each response
     shm_prefix = "kvconform-ref-"
 
@@ -104,6 +104,8 @@ class ReferenceAdapter(EngineAdapter):
         self.decode: LaunchedServer | None = None
         self.exports: dict[str, tuple[str, int]] = {}
         self.gpu_exports: dict[str, Any] = {}
+        self.churn_path: str | None = None
+        self.churn_leftovers = {p: {"processes": 0, "shm_bytes": 0} for p in ("close", "restart")}
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -227,25 +229,109 @@ class ReferenceAdapter(EngineAdapter):
 
     # ---- instances (memory churn) --------------------------------------------------------
     # Imported KV per churn instance; the reclaim-power benchmark shrinks it to one block.
-    INSTANCE_BYTES = int(os.environ.get("KVCONFORM_REF_INSTANCE_BYTES", 4 * 2**20))
+    # 8 MiB: a leak of one instance per cycle is plain in RSS too (4 cycles: 32 MiB, 8 MiB/cycle).
+    INSTANCE_BYTES = int(os.environ.get("KVCONFORM_REF_INSTANCE_BYTES", 8 * 2**20))
+    HEARTBEAT_S = 0.1  # reaper path: the engine reaps an instance two missed beats after
+    REAP_WAIT_S = 3.0  # how long a cycle waits for the reaper (then measures what is left)
+    TEARDOWN_GRACE_S = 3.0  # close/restart cycles: the server exits in well under 1 s
+
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        self.churn_path = None  # every check starts outside instance churn
+        super().ensure(config)
+
+    def churn_warmup_path(self, path: str) -> str:
+        return "unregister" if path == "reaper" else path  # same probe, no reaper wait
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
-        instance_id = f"churn-{index}"
-        self.create_instance(instance_id, self.INSTANCE_BYTES)
+        """One lifecycle per release path:
+        unregister: create, load, DELETE the instance;
+        reaper: create with a heartbeat, load, then the client dies (no more beats, its own
+          export removed as the OS would on exit): the engine must reap the instance;
+        close: create, load, then the server closes with the instance still registered;
+        restart: serve requests, stop the server (its whole tree), start it again;
+        destroy: create an in-process engine, store the prompt's KV in it, destroy it."""
+        if path not in self.churn_paths:
+            raise NotImplementedError(f"reference engine has no release path {path!r}")
+        self.churn_path = path
+        instance_id = f"churn-{path}-{index}"
+        if path == "destroy":
+            self.post_json("/engines", {"engine_id": instance_id, "nbytes": self.INSTANCE_BYTES})
+            self.post_json(f"/engines/{instance_id}/store", {"prompt": tokens})
+            resp = self.http.delete(self.url(f"/engines/{instance_id}"), timeout=30)
+            return {"destroyed": resp.status_code == 200}
+        if path == "restart":
+            for shift in range(3):
+                self.serve_prompt(tokens[: len(tokens) - shift])
+            return {"teardown": self._restart_server(path)}
+        heartbeat = self.HEARTBEAT_S if path == "reaper" else 0.0
+        self.create_instance(instance_id, self.INSTANCE_BYTES, heartbeat_s=heartbeat)
         self.post_json(f"/instances/{instance_id}/load", {"prompt": tokens})
-        return self.release_instance(instance_id, path)
+        if path == "unregister":
+            return self.release_instance(instance_id, path)
+        if path == "close":
+            return {"teardown": self._restart_server(path)}
+        self._client_died(instance_id)
+        return {"reaped_after_s": self._wait_reaped(instance_id)}
+
+    def _client_died(self, instance_id: str) -> None:
+        """The exporting client is gone: its side of the memory goes with it."""
+        name, _size = self.exports.pop(instance_id, (None, 0))
+        if name:
+            (SHM_DIR / name).unlink(missing_ok=True)
+        self.gpu_exports.pop(instance_id, None)
+
+    def _wait_reaped(self, instance_id: str) -> float | None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.REAP_WAIT_S:
+            if self.http.get(self.url(f"/instances/{instance_id}"), timeout=10).status_code == 404:
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        return None  # not reaped: what it still holds shows in the probe
+
+    def _restart_server(self, path: str) -> str:
+        """Stop the server (and its whole tree) and start it again; count what teardown found
+        left of it. The instances' own exports are the clients', not the engine's leftovers."""
+        assert self.server is not None
+        config = self.config or EngineConfig()
+        report = self.server.process.stop(grace_s=self.TEARDOWN_GRACE_S)
+        exported = {name for name, _size in self.exports.values()}
+        self.churn_leftovers[path]["processes"] += len(report.leftover_processes)
+        self.churn_leftovers[path]["shm_bytes"] += sum(
+            size for name, size in report.leftover_shm.items() if name not in exported
+        )
+        for instance_id in list(self.exports):
+            self._client_died(instance_id)  # the clients of a closed server go too
+        self.server = None
+        self.close_event_subscriber()
+        self.server, self.base_url = self._launch("reference", config, events=True)
+        self.config = config
+        return report.describe()
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """Per release path, the memory that must come back: mapped shm and RSS of the server
+        (unregister, reaper); live tensor bytes and RSS (destroy); what teardown found left,
+        cumulative over cycles (close, restart). Outside churn: all of the server's."""
+        path = self.churn_path
+        if path in ("close", "restart"):
+            left = self.churn_leftovers[path]
+            return {
+                f"{path}_leftover_processes": MemoryMeasure(left["processes"], True, "processes"),
+                f"{path}_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True),
+            }
         sample = sample_processes(self.engine_pids())
-        measures = {
-            "engine_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
-            "engine_rss_bytes": MemoryMeasure(sample.rss, exact=False),
-            **gpu_measures(sample),
-        }
-        if sample.gpu is not None:
-            # CUDA-IPC memory stays in the exporter's allocation until the importer collects:
-            # on a dedicated GPU the device-wide figure is what shows it.
-            measures["gpu_device_used_bytes"] = MemoryMeasure(sample.gpu.device_used, exact=True)
+        measures: dict[str, MemoryMeasure] = {}
+        if path != "destroy":
+            measures["engine_shm_mapped_bytes"] = MemoryMeasure(sample.shm_bytes, exact=True)
+        if path in (None, "destroy"):
+            tensors = self.get_json("/admin/memory")["live_tensor_bytes"]
+            measures["engine_live_tensor_bytes"] = MemoryMeasure(tensors, exact=True)
+        measures["engine_rss_bytes"] = MemoryMeasure(sample.rss, exact=False)
+        if path != "destroy":
+            measures.update(gpu_measures(sample))
+            if sample.gpu is not None:
+                # CUDA-IPC memory stays in the exporter's allocation until the importer
+                # collects: on a dedicated GPU the device-wide figure is what shows it.
+                measures["gpu_device_used_bytes"] = MemoryMeasure(sample.gpu.device_used, exact=True)
         return measures
 
     def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
@@ -264,7 +350,7 @@ class ReferenceAdapter(EngineAdapter):
             "second_refused_cleanly": status == 404,
         }
 
-    def create_instance(self, instance_id: str, nbytes: int) -> None:
+    def create_instance(self, instance_id: str, nbytes: int, heartbeat_s: float = 0.0) -> None:
         """Export KV memory (the client side) and register it with the engine: a CUDA tensor
         over CUDA IPC where the engine runs on a GPU, a POSIX shm file on hosts."""
         if self.gpu_exports_enabled():
@@ -276,7 +362,9 @@ class ReferenceAdapter(EngineAdapter):
             tensor = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
             self.gpu_exports[instance_id] = tensor
             handle = base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
-            self.post_json("/instances", {"instance_id": instance_id, "cuda_ipc": handle})
+            self.post_json(
+                "/instances", {"instance_id": instance_id, "cuda_ipc": handle, "heartbeat_s": heartbeat_s}
+            )
             return
         name = f"{self.shm_prefix}{os.getpid()}-{instance_id}"
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
@@ -285,15 +373,18 @@ class ReferenceAdapter(EngineAdapter):
         finally:
             os.close(fd)
         self.exports[instance_id] = (name, nbytes)
-        self.post_json("/instances", {"instance_id": instance_id, "shm_name": name, "nbytes": nbytes})
+        self.post_json(
+            "/instances",
+            {"instance_id": instance_id, "shm_name": name, "nbytes": nbytes, "heartbeat_s": heartbeat_s},
+        )
 
     def gpu_exports_enabled(self) -> bool:
         """CUDA IPC needs a CUDA torch in this (exporting) process and a GPU for the engine."""
         return nvml().available and _torch_cuda_available()
 
     def release_instance(self, instance_id: str, path: str) -> dict[str, Any]:
-        if path != "unregister":
-            raise NotImplementedError(f"reference engine has no release path {path!r}")
+        """Release through DELETE /instances/ID (the unregister path; second_release uses it
+        whatever path it is given: the others have no second release to make)."""
         resp = self.http.delete(self.url(f"/instances/{instance_id}"), timeout=30)
         name, _size = self.exports.pop(instance_id, (None, 0))
         if name:

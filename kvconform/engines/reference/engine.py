@@ -24,6 +24,7 @@ from kvconform.engines.reference.offload import HostTier
 from kvconform.engines.reference.publisher import EventPublisher, cleared_event, removed_event, stored_event
 
 VOCAB_LOW, VOCAB_HIGH = 10, 4000
+PAGES_PER_CHUNK, ASSUMED_PAGE = 2, 16  # the page-index conversion's chunking
 
 
 @dataclass
@@ -108,7 +109,7 @@ class ReferenceEngine:
         self.disk = DiskTier(settings.disk_dir, settings.faults) if settings.disk_dir else None
         self.instances = InstanceRegistry(settings.faults)
         self.router_index: set[str] = set()
-        self.session_copies: list[torch.Tensor] = []  # only the session_growth fault fills it
+        self.session_copies: list[torch.Tensor] = []  # only the session_* faults fill it
         self.received: dict[str, dict[str, Any]] = {}
         self.iterations: list[dict[str, Any]] = []  # per-request pool stats (TRT-LLM-shaped)
         self.reused_blocks = 0
@@ -209,6 +210,8 @@ class ReferenceEngine:
             self._record_iteration(len(req.blocks) - len(fresh), len(fresh))
             if "session_growth" in self.faults:
                 self.session_copies.append(self.pool.kv[req.blocks].clone())
+            if "session_turn_leak" in self.faults and fresh:
+                self.session_copies.append(self.pool.kv[fresh].clone())  # this turn's new KV
             self._flush_events()
             return req, {"cached": hits, **{k: v for k, v in sources.items() if v}}
 
@@ -258,32 +261,37 @@ class ReferenceEngine:
         if self.disk is not None:
             self.disk.write(key, data.view(torch.uint8).numpy().tobytes())
 
-    def finish(self, req: Request, abort: bool = False) -> None:
+    def finish(self, req: Request, abort: bool = False) -> bool:
+        """Release a request's blocks; False if the release guard refused a second one."""
         with self.lock:
             if abort:
-                self._release_aborted(req)
+                done = self._release_aborted(req)
+            elif req.released:
+                self.counters.released_twice += 1
+                done = False
             else:
                 self.pool.release(req.blocks)
+                done = True
             req.released = True
             self._flush_events()
+            return done
 
-    def _release_aborted(self, req: Request) -> None:
+    def _release_aborted(self, req: Request) -> bool:
         """An aborted request's freshly computed blocks are not trusted: drop them from the
-        cache; shared (matched) blocks are only unreferenced. Exactly once per request."""
-        if req.released:
-            if "double_release_on_abort" not in self.faults:
-                return
-            # The unguarded second release works from the request's own (stale) record.
+        cache; shared (matched) blocks are only unreferenced. Exactly once per request: the
+        guard refuses a second release (returns False). Without the guard
+        (double_release_on_abort) the second release runs the same pool path again, from the
+        request's own record: its blocks go back to the free list a second time and shared
+        blocks lose a reference they no longer hold, as an unguarded allocator would do."""
+        if req.released and "double_release_on_abort" not in self.faults:
             self.counters.released_twice += 1
-            for block_hash in req.new_hashes:
-                self._on_pool_event("removed", [block_hash], None, 0)
-            self.pool.free.extend(req.new_blocks)
-            return
+            return False
         fresh = set(req.new_blocks)
-        req.new_hashes = [self.pool.blocks[b].hash for b in req.new_blocks if self.pool.blocks[b].hash]
         self.pool.discard([b for b in req.blocks if b in fresh])
         self.pool.release([b for b in req.blocks if b not in fresh])
-        self.counters.aborted += 1
+        if not req.released:
+            self.counters.aborted += 1
+        return True
 
     def complete(self, tokens: list[int], max_tokens: int) -> dict[str, Any]:
         req, sources = self.prefill(tokens)
@@ -324,10 +332,18 @@ class ReferenceEngine:
         return [req.blocks[pos // bs] * bs + pos % bs for pos in range(len(req.tokens))]
 
     def page_indices(self, kv_indices: list[int], page_size: int) -> list[int]:
+        """The page of every page-start slot. The conversion runs in fixed chunks of
+        PAGES_PER_CHUNK pages; page_indices_truncated sizes the loop in tokens as if every page
+        held ASSUMED_PAGE tokens (SGLang #11985), so smaller pages lose the tail of the list."""
+        starts = kv_indices[::page_size]
+        if "page_indices_truncated" in self.faults:
+            chunk_tokens = PAGES_PER_CHUNK * ASSUMED_PAGE
+            loops = -(-len(kv_indices) // chunk_tokens)
+            starts = starts[: loops * PAGES_PER_CHUNK]
         pages: list[int] = []
-        for slot in kv_indices[::page_size]:
+        for slot in starts:
             page = slot // page_size
-            if "page_index_off_by_one" in self.faults:
+            if "page_index_shifted" in self.faults:
                 page += 1
             pages.append(page)
         return pages

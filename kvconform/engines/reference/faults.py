@@ -1,7 +1,12 @@
-"""The reference engine's faults: one (at least) per check, each small and modelled on a real bug.
+"""The reference engine's faults: one (at least) per measure, each small and modelled on a real bug.
 
 `killed_by` names the checks (glob patterns over check ids in results.json) that must fail
-when the fault is injected; the mutation matrix (tests/test_mutation_matrix.py) proves it.
+when the fault is injected; `violates` names the measures (as a Verdict records them) that
+must be the VIOLATED ones in those checks, no more and no fewer. An entry is a measure name
+for every killed check, or "CHECK_GLOB:MEASURE" for the checks matching CHECK_GLOB only.
+The mutation matrix (tests/test_mutation_matrix.py) proves both. `needs` names where a fault
+can act at all ("gpu": it skips a CUDA step that does not exist on hosts); the CPU matrix
+leaves those out and says why.
 """
 
 from __future__ import annotations
@@ -14,6 +19,21 @@ class Fault:
     description: str
     killed_by: tuple[str, ...]
     modelled_on: str
+    violates: tuple[str, ...] = ()
+    needs: str = ""  # "" runs anywhere; "gpu": acts only where the engine runs on a GPU
+
+    def expected_violations(self, check: str) -> set[str]:
+        """The measures this fault must violate in `check` (a check id)."""
+        from kvconform.checkids import matches
+
+        out = set()
+        for entry in self.violates:
+            glob, sep, measure = entry.rpartition(":")
+            if not sep or glob.endswith(":"):  # a bare measure name (check ids contain "::")
+                out.add(entry)
+            elif matches(check, glob):
+                out.add(measure)
+        return out
 
 
 FAULTS: dict[str, Fault] = {
@@ -21,92 +41,182 @@ FAULTS: dict[str, Fault] = {
         "the prefix-hit counter counts matched tokens before the last-token rule is applied",
         ("prefix_reuse::test_repeated_prompt_served_from_cache",),
         "counters and per-request usage computed on different paths (vLLM stats vs usage)",
+        ("prefix_hits_counter_delta",),
     ),
     "reset_keeps_prefix": Fault(
         "reset_prefix_cache answers 200 but leaves the hash index in place",
         ("prefix_reuse::test_reset_drops_cached_prefix",),
         "vLLM reset_prefix_cache returning success while blocks are still referenced",
+        ("cached_tokens_after_reset", "prefix_hits_counter_delta_after_reset"),
     ),
     "granularity_loss": Fault(
         "prefix lookup is all-or-nothing over the prompt's full blocks: a prefix shared up to a "
         "partial block hits 0",
         ("prefix_reuse::test_partial_block_prefix_hits_match_oracle*", "prefix_reuse::test_block_size_sweep"),
         "vllm-ascend #12589 / oMLX #3443: 0 % hits when the shared prefix is not block-aligned",
+        (
+            "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:cached_tokens_in_response",
+            "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:prefix_hits_counter_delta",
+            "prefix_reuse::test_block_size_sweep:points_off_oracle",
+        ),
     ),
     "disk_index_lost": Fault(
         "the disk tier's index is not rebuilt on start: entries stay on disk but never hit",
         ("prefix_reuse::test_hits_survive_restart",),
         "LMCache LocalDiskBackend keeps its index in memory only (ENGINES.md)",
+        ("cached_tokens_after_restart",),
     ),
     "corrupt_hit_served": Fault(
         "disk entries are served without checking length or checksum",
         ("prefix_reuse::test_corrupt_persisted_entry_recomputed*",),
         "oMLX before 0.5.3 served a corrupt SSD entry as a hit",
+        ("cached_tokens_from_damaged_entries", "output_identical_to_cold_run"),
     ),
     "stale_index_after_evict": Fault(
         "eviction reuses a block but leaves its hash in the prefix index",
         ("prefix_reuse::test_evicted_prefix_not_reported_as_hit",),
         "a prefix index not cleaned when blocks are evicted",
+        ("cached_tokens_after_eviction",),
     ),
     "router_index_stale": Fault(
         "the router-side prefix index ignores removed events",
         ("prefix_reuse::test_router_prediction_matches_worker",),
         "Dynamo RadixTree dropping removals it cannot place (stale router state)",
+        ("mispredicted_requests", "predictions_off_oracle"),
     ),
     "leak_on_unregister": Fault(
         "unregister drops the instance from the registry but keeps its memory mapped",
         ("memory_reclaim::test_churn_returns_to_baseline[unregister]",),
         "LMCache #4015: imported KV stayed mapped after instances were released",
+        (
+            "engine_shm_mapped_bytes.final_delta",
+            "engine_shm_mapped_bytes.leak_slope",
+            "engine_rss_bytes.final_delta",
+            "engine_rss_bytes.leak_slope",
+        ),
     ),
     "no_ipc_collect": Fault(
-        "released imports wait for a collect step (torch.cuda.ipc_collect) that never runs",
+        "released CUDA imports are dropped but torch.cuda.ipc_collect() never runs, so the "
+        "exporter cannot free what it shared; on hosts there is no IPC collect step, so the "
+        "fault changes nothing there (GPU-only: left out of the CPU matrix, proved by "
+        "tests/gpu/test_cuda_reclaim.py on GPU runners)",
         ("memory_reclaim::test_churn_returns_to_baseline[unregister]",),
         "LMCache #4015: _release_entries without empty_cache()/ipc_collect()",
+        ("gpu_device_used_bytes.final_delta", "gpu_device_used_bytes.leak_slope"),
+        needs="gpu",
+    ),
+    "reaper_never_reaps": Fault(
+        "the reaper sees instances whose client stopped heartbeating and never releases them",
+        ("memory_reclaim::test_churn_returns_to_baseline[reaper]",),
+        "LMCache MP server: instances of dead workers left registered (and their KV mapped) by "
+        "the heartbeat reaper",
+        (
+            "engine_shm_mapped_bytes.final_delta",
+            "engine_shm_mapped_bytes.leak_slope",
+            "engine_rss_bytes.final_delta",
+            "engine_rss_bytes.leak_slope",
+        ),
+    ),
+    "close_leaves_instance_shm": Fault(
+        "only unregister unlinks an instance's staging segment: instances still registered "
+        "when the server closes leave theirs in /dev/shm",
+        ("memory_reclaim::test_churn_returns_to_baseline[close]",),
+        "Python multiprocessing 'leaked shared_memory objects' at shutdown: segments unlinked "
+        "on the release path but not on close (vLLM/LMCache shutdown warnings)",
+        ("close_leftover_shm_bytes.final_delta", "close_leftover_shm_bytes.leak_slope"),
+    ),
+    "orphan_after_restart": Fault(
+        "the server's side process detaches into a session of its own and the server never "
+        "stops it: it survives every restart, and when teardown kills it its shm page is left",
+        (
+            "memory_reclaim::test_churn_returns_to_baseline[restart]",
+            "memory_reclaim::test_churn_returns_to_baseline[close]",
+        ),
+        "vLLM: the API server stopped alone orphans EngineCore/worker processes (ENGINES.md)",
+        tuple(
+            f"memory_reclaim::test_churn_returns_to_baseline[{path}]:{path}_leftover_{what}.{measure}"
+            for path in ("restart", "close")
+            for what in ("processes", "shm_bytes")
+            for measure in ("final_delta", "leak_slope")
+        ),
+    ),
+    "tensor_retained_after_destroy": Fault(
+        "destroy drops an in-process engine from the registry but keeps it (and its KV "
+        "tensor) in a list of retired engines",
+        ("memory_reclaim::test_churn_returns_to_baseline[destroy]",),
+        "an in-process engine destroy that leaves its KV buffer referenced (the LMCache "
+        "in-process destroy path this check runs there)",
+        (
+            "engine_live_tensor_bytes.final_delta",
+            "engine_live_tensor_bytes.leak_slope",
+            "engine_rss_bytes.final_delta",
+            "engine_rss_bytes.leak_slope",
+        ),
     ),
     "double_unregister_crashes": Fault(
         "a second unregister of a released instance brings the server down",
         ("memory_reclaim::test_second_release_is_harmless",),
         "LMCache MP server: an error in a release path leaves the server unanswering",
+        ("second_release_refused_cleanly", "engine_healthy_after"),
     ),
     "session_growth": Fault(
         "each turn of a conversation keeps a private copy of its KV outside the block pool",
         ("memory_reclaim::test_long_session_bounded",),
         "oMLX 0.5.3: resident KV accumulated over multi-turn sessions",
+        (
+            "rss_growth_after_warmup",
+            "rss_slope_per_turn",
+            "exact_memory_growth_after_warmup",
+            "exact_memory_slope_per_turn",
+        ),
+    ),
+    "session_turn_leak": Fault(
+        "each turn keeps a copy of the KV it computed (one turn's KV per turn) outside the pool",
+        ("memory_reclaim::test_long_session_bounded",),
+        "oMLX 0.5.3's session growth at its smallest: below RSS noise, plain in exact bytes",
+        ("exact_memory_growth_after_warmup", "exact_memory_slope_per_turn"),
     ),
     "failed_store_keeps_write_pending": Fault(
         "a failed offload store never releases its pending write",
         ("offload_metrics::test_failed_store_releases_pending_write",),
         "vLLM #47666 review: complete_store(success=False) path",
+        ("write_gauge_after_failures", "usage_gauge_after_failures"),
     ),
     "read_gauge_not_derived": Fault(
         "the read gauge is computed from its own counter at schedule time, not as usage - write",
         ("offload_metrics::test_gauges_consistent_under_load",),
         "vllm-ascend #10048: a read gauge of -0.39",
+        ("samples_read_not_usage_minus_write", "samples_out_of_[0,1]"),
     ),
     "gauges_never_drain": Fault(
         "completed loads never unpin their host chunks, so usage never returns to 0",
         ("offload_metrics::test_gauges_drain_after_load",),
         "a transfer-pinning counter not decremented on completion",
+        ("drain_time", "usage_at_idle", "read_at_idle"),
     ),
     "offload_bytes_miscounted": Fault(
         "store/load byte counters count 2-byte elements as 4-byte ones",
         ("offload_metrics::test_offload_byte_counters_match_blocks",),
         "byte counters derived from the wrong dtype size",
+        ("store_bytes_delta", "load_bytes_delta"),
     ),
     "host_hits_unreported": Fault(
         "blocks loaded back from the host tier are counted as computed, not as host hits",
         ("offload_metrics::test_offloaded_prefix_returns_as_host_hit",),
         "prompt_tokens_cached_by_source missing the host source",
+        ("host_source_counter_delta", "cached_tokens_after_device_reset"),
     ),
     "tiered_usage_stale": Fault(
         "the L2 (disk) usage gauge is not updated when entries are written",
         ("offload_metrics::test_tiered_store_metrics_consistent",),
         "LMCache l2_usage_bytes counting only part of what is on disk",
+        ("l2_usage_bytes_delta",),
     ),
     "pool_stats_inconsistent": Fault(
         "the free-block stat omits cached-but-free blocks, so used + free != max",
         ("offload_metrics::test_block_pool_stats_consistent",),
         "TensorRT-LLM kvCacheStats free vs reusable blocks",
+        ("iterations_used_plus_free_not_max",),
     ),
     "transfer_bytes_ignore_fanout": Fault(
         "the sender counts transferred bytes once, whatever the number of destination replicas",
@@ -115,31 +225,57 @@ FAULTS: dict[str, Fault] = {
             "transfer::test_transfer_bytes_reconcile[mla_state-4-*]",
         ),
         "SGLang get_transfer_metric before the fan-out fix (MLA replication)",
+        ("bytes_sent",),
     ),
     "transfer_bytes_include_headers": Fault(
         "the sender counts wire bytes (payload + a 64-byte message header), not KV bytes",
         ("transfer::test_transfer_bytes_reconcile[*]",),
         "byte counters fed from the transport layer instead of the KV layout",
+        ("bytes_sent",),
     ),
     "disagg_cached_tokens_lost": Fault(
         "requests served through prefill -> decode report 0 cached tokens, whatever the prefill reused",
         ("transfer::test_disaggregated_serving_reports_prefix_reuse",),
         "Dynamo 1.6.1 disaggregated mode: usage.cached_tokens always 0",
+        ("repeated_request_cached_tokens",),
     ),
-    "page_index_off_by_one": Fault(
-        "page indices are computed as kv_index // page_size + 1",
+    "page_indices_truncated": Fault(
+        "the page-index conversion sizes its loop in tokens as if every page held 16 tokens, "
+        "so with smaller pages the tail of the page list is never written",
+        ("transfer::test_page_indices_match_oracle[1]", "transfer::test_page_indices_match_oracle[4]"),
+        "SGLang #11985: create_flashmla_kv_indices_triton looped over tokens / 4096 with a fixed "
+        "64 pages per iteration, so page_size 32 lost half the indices",
+        ("page_count",),
+    ),
+    "page_index_shifted": Fault(
+        "every page index is one past the page its KV slots are in",
         ("transfer::test_page_indices_match_oracle*",),
-        "SGLang #31173: page indices computed on the host",
+        "no engine bug of exactly this shape is cited: the wrong-pages outcome of SGLang #31471 "
+        "(virtual KV indices sent as physical ones) at its simplest (was page_index_off_by_one, "
+        "which cited the #31173 refactor, whose output was identical)",
+        ("pages_differing_from_oracle",),
     ),
     "double_release_on_abort": Fault(
-        "an aborted transfer's KV is released by the error path and again by the normal path",
-        ("transfer::test_abort_releases_kv_once", "transfer::test_release_guard_holds"),
+        "an aborted request's KV is released by the error path and again by the normal path, "
+        "with no guard: the second release runs the pool's own release again (blocks freed "
+        "twice, shared blocks unreferenced twice)",
+        ("transfer::test_release_guard_holds",),
         "SGLang disaggregated prefill: double release_kv_cache on a grammar error",
+        ("second_release_refused", "blocks_freed_by_second_release"),
+    ),
+    "abort_leaks_blocks": Fault(
+        "a request whose client disconnects mid-stream is never released: its blocks stay "
+        "referenced and KV usage never returns to 0",
+        ("transfer::test_abort_releases_kv_once",),
+        "vLLM/SGLang: KV blocks of requests aborted on client disconnect not freed (usage stuck "
+        "above 0 at idle)",
+        ("kv_usage_after_aborts",),
     ),
     "event_seq_gap": Fault(
         "the event publisher consumes a sequence number for a batch it then drops",
         ("transfer::test_event_ledger_consistent",),
         "vLLM ZmqEventPublisher: seq taken before a send that fails",
+        ("seq_gap", "remove_unknown", "resident_blocks_ledger_vs_engine"),
     ),
 }
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
+import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +29,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.engine import EngineSettings, ReferenceEngine
 from kvconform.engines.reference.faults import FAULTS
+from kvconform.engines.reference.instances import live_tensor_bytes
+
+
+def start_helper(faults: frozenset[str]) -> subprocess.Popen[bytes]:
+    """The side process (helper.py), in the server's process group unless a fault detaches it."""
+    argv = [sys.executable, "-m", "kvconform.engines.reference.helper"]
+    argv += ["--segment", f"kvconform-refsrv-{os.getpid()}-helper"]
+    if "orphan_after_restart" in faults:
+        argv.append("--detach")
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+def stop_helper(helper: subprocess.Popen[bytes], faults: frozenset[str]) -> None:
+    if "orphan_after_restart" in faults:
+        return  # the server forgets the worker it detached
+    helper.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        helper.wait(timeout=5)
 
 
 class EngineCollector:
@@ -148,6 +169,11 @@ class Handler(BaseHTTPRequestHandler):
             with self.engine.lock:
                 stats = self.engine.pool.stats()
             self._send(200, stats.__dict__)
+        elif route.startswith("/instances/"):
+            registered = self.engine.instances.registered(route.rsplit("/", 1)[-1])
+            self._send(200 if registered else 404, {"registered": registered})
+        elif route == "/admin/memory":
+            self._send(200, {"live_tensor_bytes": live_tensor_bytes()})
         elif route.startswith("/transfer/received/"):
             entry = self.engine.received.get(route.rsplit("/", 1)[-1])
             if entry is None:
@@ -168,6 +194,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.startswith("/instances/"):
             released = self.engine.instances.unregister(self.path.rsplit("/", 1)[-1])
             self._send(200 if released else 404, {"released": released})
+        elif self.path.startswith("/engines/"):
+            destroyed = self.engine.instances.destroy_engine(self.path.rsplit("/", 1)[-1])
+            self._send(200 if destroyed else 404, {"destroyed": destroyed})
         else:
             self._send(404, {"error": f"no route {self.path}"})
 
@@ -178,6 +207,10 @@ class Handler(BaseHTTPRequestHandler):
             handler = ROUTES.get(route)
             if handler is None and route.startswith("/instances/") and route.endswith("/load"):
                 handler = Handler._instance_load
+            if handler is None and route.startswith("/instances/") and route.endswith("/heartbeat"):
+                handler = Handler._heartbeat
+            if handler is None and route.startswith("/engines/") and route.endswith("/store"):
+                handler = Handler._engine_store
             if handler is None:
                 self._send(404, {"error": f"no route {route}"})
                 return
@@ -229,9 +262,14 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             aborted = True
         finally:
-            self.engine.finish(req, abort=aborted)
-            if aborted and "double_release_on_abort" in self.engine.faults:
-                self.engine.finish(req, abort=True)
+            if aborted and "abort_leaks_blocks" in self.engine.faults:
+                pass  # the disconnect path forgets the request: its blocks stay referenced
+            else:
+                if aborted:
+                    # The error path releases the request, then the normal path does as
+                    # always; the guard refuses the second (SGLang's double release_kv_cache).
+                    self.engine.finish(req, abort=True)
+                self.engine.finish(req, abort=aborted)
             self.close_connection = True
 
     def _reset(self, _body: dict[str, Any]) -> None:
@@ -249,11 +287,33 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"fail_stores": self.engine.host.fail_stores})
 
     def _register(self, body: dict[str, Any]) -> None:
+        heartbeat_s = float(body.get("heartbeat_s", 0.0))
         if "cuda_ipc" in body:
-            self.engine.instances.register_cuda(str(body["instance_id"]), base64.b64decode(body["cuda_ipc"]))
+            self.engine.instances.register_cuda(
+                str(body["instance_id"]), base64.b64decode(body["cuda_ipc"]), heartbeat_s
+            )
         else:
-            self.engine.instances.register(str(body["instance_id"]), body["shm_name"], int(body["nbytes"]))
+            self.engine.instances.register(
+                str(body["instance_id"]), body["shm_name"], int(body["nbytes"]), heartbeat_s
+            )
         self._send(200, {"registered": body["instance_id"]})
+
+    def _heartbeat(self, _body: dict[str, Any]) -> None:
+        alive = self.engine.instances.heartbeat(self.path.split("/")[2])
+        self._send(200 if alive else 404, {"registered": alive})
+
+    def _engine_create(self, body: dict[str, Any]) -> None:
+        self.engine.instances.create_engine(str(body["engine_id"]), int(body["nbytes"]))
+        self._send(200, {"created": body["engine_id"]})
+
+    def _engine_store(self, body: dict[str, Any]) -> None:
+        """Serve the prompt and store the KV it used in the in-process engine's own cache."""
+        local = self.engine.instances.engine(self.path.split("/")[2])
+        result = self.engine.complete(body["prompt"], 1)
+        with self.engine.lock:
+            payload = self.engine.pool.kv[:8].view(torch.uint8).cpu().numpy().tobytes()
+        stored = local.store(payload, len(body["prompt"]))
+        self._send(200, {"stored": stored, "cached": result["cached"]})
 
     def _instance_load(self, body: dict[str, Any]) -> None:
         instance_id = self.path.split("/")[2]
@@ -311,9 +371,9 @@ class Handler(BaseHTTPRequestHandler):
         with e.lock:
             e.counters.transfer_bytes_sent += counted
             e.counters.transfer_pages_sent += sent_pages
+        if aborted:
+            e.finish(req, abort=True)  # the error path; the normal path follows, guarded
         e.finish(req, abort=aborted)
-        if aborted and "double_release_on_abort" in e.faults:
-            e.finish(req, abort=True)
         self._send(
             200,
             {
@@ -335,12 +395,10 @@ class Handler(BaseHTTPRequestHandler):
         e.finish(req, abort=True)
         with e.lock:
             free_before = len(e.pool.free)
-            released_before = e.counters.released_twice
-        e.finish(req, abort=True)
+        second = e.finish(req, abort=True)
         with e.lock:
             free_delta = len(e.pool.free) - free_before
-            refused = e.counters.released_twice == released_before
-        self._send(200, {"second_refused": refused, "free_delta_on_second": free_delta})
+        self._send(200, {"second_refused": not second, "free_delta_on_second": free_delta})
 
     def _transfer_recv(self, body: dict[str, Any]) -> None:
         self.engine.receive(self.headers["x-transfer-id"], int(self.headers["x-replica"]), body["_raw"])
@@ -357,6 +415,7 @@ ROUTES = {
     "/transfer/send": Handler._transfer_send,
     "/transfer/recv": Handler._transfer_recv,
     "/admin/release_twice": Handler._release_twice,
+    "/engines": Handler._engine_create,
 }
 
 
@@ -395,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         device=device,
     )
     engine = ReferenceEngine(settings)
+    helper = start_helper(settings.faults)
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine))
     Handler.engine = engine
@@ -418,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         server.serve_forever(poll_interval=0.2)
     finally:
         engine.close()
+        stop_helper(helper, settings.faults)
 
 
 if __name__ == "__main__":
