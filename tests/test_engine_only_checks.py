@@ -1,12 +1,14 @@
 """Checks only real engines can run today can fail, and pass on a correct implementation.
 
 The reference engine lacks RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY and BLOCK_TRACKER, so
-the mutation matrix cannot prove their checks. Here each of those checks runs, as a pytest
-subprocess of the suite, against a test double of its capability (tests/doubles/, registered
-only through `-p tests.doubles.plugin`): the correct double must pass every check, and each of
-the double's faults (KVCONFORM_DOUBLE_FAULT) must fail the checks in its `killed_by` with a
-message that names the violated invariant and its numbers. Every check (every parameter) must
-be killed by at least one fault. The doubles are never a run of an engine.
+the mutation matrix cannot prove their checks; and it does not say how many KV events its
+router applied, so the router check's event measures run only where a router says (Dynamo).
+Here each of those checks runs, as a pytest subprocess of the suite, against a test double of
+its capability (tests/doubles/, registered only through `-p tests.doubles.plugin`): the correct
+double must pass every check, and each of the double's faults (KVCONFORM_DOUBLE_FAULT) must
+fail the checks in its `killed_by` with a message that names the violated invariant and its
+numbers, and with exactly the measures in its `violates` VIOLATED. Every check (every parameter)
+must be killed by at least one fault. The doubles are never a run of an engine.
 
 tests/test_mutation_matrix.py lists these checks in PROVED_ELSEWHERE, pointing here; the last
 test keeps that list and this file's proofs in step.
@@ -15,7 +17,6 @@ test keeps that list and this file's proofs in step.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from kvconform import registry
 from kvconform.checkids import matches
 from tests.doubles import DOUBLES, FAULT_ENV, faults_by_double
+from tests.mutation_runs import doubles_matrix, run_double, violated
 from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,45 +54,17 @@ PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("kvconform/suites/transfer/test_block_tracker.py",),
         ("transfer::test_block_tracker_ownership_and_drain",),
     ),
+    "testdouble_router": (
+        ("kvconform/suites/prefix_reuse/test_router.py",),
+        ("prefix_reuse::test_router_prediction_matches_worker",),
+    ),
 }
 FAULTS = faults_by_double()
 
 
-def run_double(results: Path, double: str, fault: str | None, checks: list[str], plugin: bool = True):
-    suites = PROVES[double][0]
-    options = ["--engine", double]
-    if not any("hypothesis" in (ROOT / s).read_text() for s in suites):
-        options += ["-p", "no:hypothesispytest"]  # a second less per run where no check uses it
-    if plugin:
-        options += ["-p", "tests.doubles.plugin"]
-    options += [arg for check in checks for arg in ("--check", check)]
-    proc, records = run_suites(list(suites), options, results, env={FAULT_ENV: fault or ""}, timeout=300)
-    if not plugin:
-        return proc
-    if not records:
-        raise AssertionError(
-            f"no results for {double} fault={fault}: exit {proc.returncode}\n{proc.stdout[-3000:]}"
-        )
-    return records
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str | None], dict[str, dict]]:
-    base = tmp_path_factory.mktemp("doubles")
-    jobs: dict[tuple[str, str | None], list[str]] = {}
-    for double in DOUBLES:
-        jobs[(double, None)] = ["*"]
-        for name, fault in FAULTS[double].items():
-            jobs[(double, name)] = list(fault.killed_by)
-    # Longest first (Hypothesis shrinking a fault's counterexample), so two workers finish together.
-    slow = {d for d in DOUBLES if any("hypothesis" in (ROOT / s).read_text() for s in PROVES[d][0])}
-    jobs = dict(sorted(jobs.items(), key=lambda j: (j[0][0] not in slow, j[0][1] is None)))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            job: pool.submit(run_double, base / f"{job[0]}-{job[1] or 'clean'}", job[0], job[1], checks)
-            for job, checks in jobs.items()
-        }
-        return {job: f.result() for job, f in futures.items()}
+    return doubles_matrix(tmp_path_factory.mktemp("doubles"), PROVES)
 
 
 @pytest.mark.parametrize("double", sorted(DOUBLES))
@@ -124,6 +98,12 @@ def test_fault_fails_its_checks_with_numbers(outcomes, double: str, fault: str) 
                 f"{double} fault {fault}: {check} failed without naming the violated invariant and its "
                 f"numbers:\n{message}"
             )
+            want = FAULTS[double][fault].expected_violations(check)
+            assert want, f"{double} fault {fault} names no measure it violates in {check}"
+            assert violated(record) == want, (
+                f"{double} fault {fault} in {check}: VIOLATED {sorted(violated(record))}, "
+                f"declared {sorted(want)}"
+            )
 
 
 @pytest.mark.parametrize("double", sorted(DOUBLES))
@@ -154,7 +134,9 @@ def test_proved_elsewhere_points_here_for_exactly_these_checks() -> None:
 
 def test_doubles_exist_only_with_their_plugin(tmp_path: Path) -> None:
     assert not set(DOUBLES) & set(registry.adapters()), "test doubles registered outside their plugin"
-    proc = run_double(tmp_path, "testdouble_replay", None, ["*"], plugin=False)
+    proc = run_double(
+        tmp_path, "testdouble_replay", None, ["*"], PROVES["testdouble_replay"][0], plugin=False
+    )
     assert proc.returncode != 0 and "unknown engine 'testdouble_replay'" in proc.stdout + proc.stderr, (
         proc.stdout[-1000:] + proc.stderr[-1000:]
     )

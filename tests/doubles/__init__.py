@@ -1,5 +1,6 @@
 """Test doubles: small, in-process Python implementations of capability contracts that only
-real engines offer today (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER).
+real engines offer today (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER, and a
+router that says how many KV events it applied).
 
 They exist to prove the checks for those capabilities can fail and pass, without a real
 engine (tests/test_engine_only_checks.py). A run against a double is never a run of any
@@ -24,6 +25,7 @@ DOUBLES: dict[str, str] = {
     "testdouble_radix_index": "tests.doubles.radix_index:RadixIndexDouble",
     "testdouble_replay": "tests.doubles.replay:ReplayDouble",
     "testdouble_block_tracker": "tests.doubles.block_tracker:BlockTrackerDouble",
+    "testdouble_router": "tests.doubles.router:RouterDouble",
 }
 
 

@@ -33,22 +33,26 @@ FAULTS: dict[str, Fault] = {
         "free deletes every block of the request, although another live request shares its prefix",
         _CHECK,
         "blocks tracked per request instead of reference-counted per prompt prefix",
+        ("active_blocks_after_first_free",),
     ),
     "prefill_complete_orphans_blocks": Fault(
         "prefill_complete hands the request to a decode table that free never looks at, so "
         "active blocks never drain to 0",
         _CHECK,
         "Dynamo #11644: terminal ownership of a request split between prefill and decode",
+        ("active_blocks_after_all_freed",),
     ),
     "double_free_answers_200": Fault(
         "free of an unknown or already freed request answers 200",
         _CHECK,
         "an idempotent free that makes double frees invisible",
+        ("free_unknown_request_status",),
     ),
     "duplicate_add_overwrites": Fault(
         "add with a live request id answers 201 and replaces that request's blocks",
         _CHECK,
         "Dynamo #11644: duplicate request ids silently accepted",
+        ("duplicate_add_status",),
     ),
 }
 

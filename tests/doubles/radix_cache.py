@@ -39,27 +39,32 @@ FAULTS: dict[str, Fault] = {
         "eviction picks least-recently-used leaves without looking at lock_ref",
         (f"{_CHECK}[4]",),
         "use-after-free of a running request's KV: a lock not consulted on the eviction path",
+        ("invariant_violations",),
     ),
     "unlock_underflow": Fault(
         "unlock of an unlocked page is accepted and drives lock_ref below 0, so a later lock "
         "protects nothing",
         ("prefix_reuse::test_radix_unlock_without_lock_refused",),
         "SGLang RadixCache.dec_lock_ref has no guard against unbalanced unlocks",
+        ("locked_tokens_kept_after_evict",),
     ),
     "evict_leaks_slots": Fault(
         "evicted pages leave the tree but their slots never return to the allocator",
         (f"{_CHECK}[1]",),
         "SGLang's idle check 'token_to_kv_pool_allocator memory leak detected'",
+        ("invariant_violations",),
     ),
     "evict_without_event": Fault(
         "eviction publishes no BlockRemoved event",
         (f"{_CHECK}[16]",),
         "KV events missing for evicted blocks: routers keep predicting hits on freed KV",
+        ("invariant_violations",),
     ),
     "match_counts_partial_page": Fault(
         "match counts the tokens of a partially matching page into prefix_len (not page-aligned)",
         (f"{_CHECK}[16]",),
         "paged prefix matching that reports token-level overlap the engine cannot reuse",
+        ("invariant_violations",),
     ),
 }
 

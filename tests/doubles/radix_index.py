@@ -33,21 +33,25 @@ FAULTS: dict[str, Fault] = {
         "removed events are accepted and dropped: evicted blocks keep predicting hits",
         _CHECK,
         "Dynamo RadixTree dropping removals it cannot place (stale router state)",
+        ("index_disagreements",),
     ),
     "removal_prunes_subtree": Fault(
         "a worker's removal deletes the node and everything under it, for every worker",
         _CHECK,
         "a shared radix node freed when one holder leaves, taking other workers' descendants along",
+        ("index_disagreements",),
     ),
     "clear_clears_all_workers": Fault(
         "one worker's cleared event drops every worker's blocks",
         _CHECK,
         "AllBlocksCleared handled as a reset of the whole router index",
+        ("index_disagreements",),
     ),
     "dump_children_first": Fault(
         "tree_dump emits each worker's blocks deepest first, so a replay meets children before their parents",
         _CHECK,
         "a dump walking hash-map order instead of the tree (unreplayable snapshots)",
+        ("index_disagreements",),
     ),
 }
 

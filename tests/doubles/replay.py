@@ -40,26 +40,31 @@ FAULTS: dict[str, Fault] = {
         "its tokens (capped at n - 1)",
         _REPLAY,
         "vllm-ascend #12589 / oMLX #3443 family: reuse accounted past block granularity",
+        ("requests_off_oracle",),
     ),
     "no_last_token_rule": Fault(
         "a fully cached prompt reports every block reused, although its last token is computed",
         _REPLAY,
         "hit counters taken before the last-token rule (vLLM stats vs per-request usage)",
+        ("requests_off_oracle",),
     ),
     "handoff_default_bytes_per_token": Fault(
         "the hand-off ignores the configured kv_bytes_per_token and uses a default model shape",
         _HANDOFF,
         "a mocker flag not forwarded to the disaggregated roles (defaults used instead)",
+        ("handoffs_off_bytes_over_bandwidth",),
     ),
     "handoff_bandwidth_in_bits": Fault(
         "the link bandwidth is read as Gbit/s where GB/s was configured (transfers 8x slower)",
         _HANDOFF,
         "bits/bytes confusion in a link-bandwidth setting",
+        ("handoffs_off_bytes_over_bandwidth",),
     ),
     "decode_before_transfer": Fault(
         "decode admits the request when the destination is reserved, before its KV has arrived",
         _HANDOFF,
         "decode scheduled on a reservation instead of the transfer's completion",
+        ("handoffs_with_ordered_timestamps",),
     ),
 }
 
