@@ -16,6 +16,8 @@ from pathlib import Path
 
 import psutil
 
+from kvconform.errors import KvconformError
+
 SHM_DIR = Path("/dev/shm")
 
 
@@ -65,6 +67,10 @@ def gpu_measures(sample: MemorySample) -> dict[str, MemoryMeasure]:
     return {"gpu_engine_process_bytes": MemoryMeasure(sample.gpu.process_used, exact=True)}
 
 
+class MemoryProbeError(KvconformError):
+    """A memory probe that worked failed while sampling: the machine's fault, named."""
+
+
 class NvmlProbe:
     """nvidia-ml-py, initialised once; `reason` says why it is unavailable."""
 
@@ -88,11 +94,16 @@ class NvmlProbe:
         return self.reason is None
 
     def describe(self) -> str:
+        """The GPUs and driver (every record's platform): never raises, NVML failing mid-run
+        included, so a lost GPU cannot stop the records being written."""
         if not self.available:
             return "host"
         nv = self._nvml
-        names = [_text(nv.nvmlDeviceGetName(h)) for h in self._handles]
-        driver = _text(nv.nvmlSystemGetDriverVersion())
+        try:
+            names = [_text(nv.nvmlDeviceGetName(h)) for h in self._handles]
+            driver = _text(nv.nvmlSystemGetDriverVersion())
+        except Exception as exc:
+            return f"{len(self._handles)} GPU(s) (NVML failed: {type(exc).__name__}: {exc})"
         return f"{', '.join(names)} (driver {driver})"
 
     def sample(self, pids: Iterable[int]) -> GpuSample:
@@ -176,7 +187,13 @@ def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample
         processes=alive,
     )
     if probe.available:
-        sample.gpu = probe.sample(pids)
+        try:
+            sample.gpu = probe.sample(pids)
+        except Exception as exc:  # NVML calls fail when the GPU falls off the bus, the driver resets
+            raise MemoryProbeError(
+                f"NVML failed mid-sample ({type(exc).__name__}: {exc}) after initialising fine on "
+                f"{probe.describe()}: this check's GPU memory numbers cannot be measured"
+            ) from None
     else:
         sample.gpu_unavailable = probe.reason
     return sample
