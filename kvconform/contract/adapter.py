@@ -382,6 +382,40 @@ class EngineAdapter(ABC):
         """Wait until what was stored has reached the persistent tier."""
         return None
 
+    # ---- the remote tier (REMOTE_TIER): a KV store (Redis/Valkey...) the suite reads with its
+    # own client, damages while the engine is stopped, and stops under a running engine.
+    def remote_entries(self) -> dict[str, int]:
+        """The engine's own keys in the remote store -> the bytes each holds."""
+        raise NotImplementedError
+
+    def remote_objects_total(self) -> int:
+        """Every object in the remote store, the engine's or not."""
+        raise NotImplementedError
+
+    def remote_memory_usage(self, key: str) -> int:
+        """What the store says one key costs it (value plus its own overhead), in bytes."""
+        raise NotImplementedError
+
+    def remote_read(self, key: str) -> bytes:
+        """One stored value, read straight from the store."""
+        raise NotImplementedError
+
+    def remote_write(self, key: str, data: bytes) -> None:
+        """Overwrite one stored value behind the engine's back (to damage it)."""
+        raise NotImplementedError
+
+    def remote_capacity_bytes(self) -> int:
+        """The remote tier's capacity the adapter configured (its eviction bound)."""
+        raise NotImplementedError
+
+    def remote_wipe(self) -> None:
+        """Stop the engine and empty the remote store out of band (the store keeps running)."""
+        raise NotImplementedError
+
+    def remote_down(self) -> TeardownReport:
+        """Stop the remote server under the running engine; what its teardown found."""
+        raise NotImplementedError
+
     # ---- offload (OFFLOAD_*) -----------------------------------------------------------
     def set_store_failure(self, fail: bool) -> None:
         raise NotImplementedError
