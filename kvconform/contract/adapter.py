@@ -136,6 +136,11 @@ class EngineAdapter(ABC):
             return self.config.block_size
         return self.default_block_size
 
+    def resolved_block_size(self) -> int | None:
+        """The block size the running engine says it uses (None: it cannot say). Judged against
+        what the suite asked for, never used as an oracle's block."""
+        return None
+
     def attached_block_size(self) -> int:
         """Attach mode: the block size the running server reports (default: the adapter's)."""
         return self.default_block_size

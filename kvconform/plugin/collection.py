@@ -59,11 +59,16 @@ class Collection:
                 continue
             adapter = session.adapter(name)
             caps = adapter.effective_capabilities()
+            gaps = adapter.capability_gaps()
             for marker in item.iter_markers("requires"):
                 missing = [Capability(c) for c in marker.args if Capability(c) not in caps]
                 if missing:
                     named = ", ".join(
-                        f"{c} (in attach mode)" if url and c in adapter.capabilities else str(c)
+                        f"{c} ({gaps[c]})"
+                        if c in gaps
+                        else f"{c} (in attach mode)"
+                        if url and c in adapter.capabilities
+                        else str(c)
                         for c in missing
                     )
                     item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))

@@ -30,13 +30,12 @@ def resolved_block_size(engine: EngineAdapter) -> int | None:
     """The block size the running engine says it uses, where it can say (None if not).
 
     Judged against what the suite requested, never used as the oracle's block: an engine that
-    silently forces another block size must fail, not have its oracle follow it. An adapter
-    may offer `resolved_block_size()`; in attach mode `attached_block_size()` reads the server.
+    silently forces another block size must fail, not have its oracle follow it. The adapter's
+    `resolved_block_size()`, else in attach mode `attached_block_size()` reading the server.
     """
-    own = getattr(engine, "resolved_block_size", None)
-    if callable(own):
-        value = own()
-        return int(value) if value is not None else None
+    value = engine.resolved_block_size()
+    if value is not None:
+        return int(value)
     if engine.attached and type(engine).attached_block_size is not EngineAdapter.attached_block_size:
         return int(engine.attached_block_size())
     return None
