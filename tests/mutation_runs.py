@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvconform.engines.reference.faults import FAULTS
-from tests.doubles import DOUBLES, FAULT_ENV, faults_by_double
+from tests.doubles import DOUBLES, FAULT_ENV, double_class, faults_by_double
 from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,9 +94,16 @@ def doubles_matrix(
                 jobs[(double, None)] = ["*"]
                 for name, fault in faults[double].items():
                     jobs[(double, name)] = list(fault.killed_by)
-            # Longest first (Hypothesis shrinking a counterexample), so two workers finish together.
+            # Longest first (Hypothesis shrinking a counterexample, a fault that waits out a
+            # timeout: a double's `slow_faults`), so two workers finish together.
             slow = {d for d in DOUBLES if any("hypothesis" in (ROOT / s).read_text() for s in proves[d][0])}
-            jobs = dict(sorted(jobs.items(), key=lambda j: (j[0][0] not in slow, j[0][1] is None)))
+            slow_faults = {(d, f) for d in DOUBLES for f in getattr(double_class(d), "slow_faults", ())}
+            jobs = dict(
+                sorted(
+                    jobs.items(),
+                    key=lambda j: (j[0] not in slow_faults, j[0][0] not in slow, j[0][1] is None),
+                )
+            )
             with ThreadPoolExecutor(max_workers=2) as pool:
                 futures = {
                     job: pool.submit(

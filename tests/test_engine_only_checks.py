@@ -1,7 +1,7 @@
 """Checks only real engines can run today can fail, and pass on a correct implementation.
 
-The reference engine lacks RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY and BLOCK_TRACKER, so
-the mutation matrix cannot prove their checks; and it does not say how many KV events its
+The reference engine lacks RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER and
+REMOTE_TIER, so the mutation matrix cannot prove their checks; and it does not say how many KV events its
 router applied, so the router check's event measures run only where a router says (Dynamo).
 Here each of those checks runs, as a pytest subprocess of the suite, against a test double of
 its capability (tests/doubles/, registered only through `-p tests.doubles.plugin`): the correct
@@ -57,6 +57,18 @@ PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "testdouble_router": (
         ("kvconform/suites/prefix_reuse/test_router.py",),
         ("prefix_reuse::test_router_prediction_matches_worker",),
+    ),
+    "testdouble_remote_tier": (
+        (
+            "kvconform/suites/prefix_reuse/test_remote_tier.py",
+            "kvconform/suites/offload_metrics/test_remote_tier.py",
+        ),
+        (
+            "prefix_reuse::test_remote_damaged_entry_recomputed",
+            "offload_metrics::test_remote_tier_bytes_reconcile",
+            "offload_metrics::test_remote_tier_eviction_within_capacity",
+            "offload_metrics::test_remote_server_loss",
+        ),
     ),
 }
 FAULTS = faults_by_double()

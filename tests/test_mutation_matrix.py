@@ -50,6 +50,10 @@ PROVED_ELSEWHERE: dict[str, str] = {
     # Runs on the reference engine too; its router-event and active-block measures only where
     # a router reports them (the router double here, Dynamo among the engines).
     "prefix_reuse::test_router_prediction_matches_worker": "tests/test_engine_only_checks.py",
+    "prefix_reuse::test_remote_damaged_entry_recomputed": "tests/test_engine_only_checks.py",
+    "offload_metrics::test_remote_tier_bytes_reconcile": "tests/test_engine_only_checks.py",
+    "offload_metrics::test_remote_tier_eviction_within_capacity": "tests/test_engine_only_checks.py",
+    "offload_metrics::test_remote_server_loss": "tests/test_engine_only_checks.py",
 }
 CHURN = "memory_reclaim::test_churn_returns_to_baseline"
 # Measures only real engines (or GPU runners) record: (check, measure) -> where it is proved.
@@ -108,6 +112,7 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("offload_metrics::test_gauges_consistent_under_load", "samples_with_transfers_in_flight"): _PRECONDITION,
     ("offload_metrics::test_tiered_store_metrics_consistent", "l2_stores_completed"): _PRECONDITION,
     ("prefix_reuse::test_corrupt_persisted_entry_recomputed", "entries_damaged"): _PRECONDITION,
+    ("prefix_reuse::test_remote_damaged_entry_recomputed", "entries_damaged"): _PRECONDITION,
     ("prefix_reuse::test_radix_cache_state_machine", "steps_checked"): _PRECONDITION,
     ("prefix_reuse::test_radix_index_matches_model", "queries_checked"): _PRECONDITION,
     ("prefix_reuse::test_repeated_prompt_served_from_cache", "first_request_cached_tokens"): _PRECONDITION,

@@ -1,6 +1,7 @@
 """Test doubles: small, in-process Python implementations of capability contracts that only
-real engines offer today (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER, and a
-router that says how many KV events it applied).
+real engines offer today (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER, a
+router that says how many KV events it applied, and REMOTE_TIER: a prefix cache with a remote
+L2 store the suite can read, damage and stop).
 
 They exist to prove the checks for those capabilities can fail and pass, without a real
 engine (tests/test_engine_only_checks.py). A run against a double is never a run of any
@@ -26,6 +27,7 @@ DOUBLES: dict[str, str] = {
     "testdouble_replay": "tests.doubles.replay:ReplayDouble",
     "testdouble_block_tracker": "tests.doubles.block_tracker:BlockTrackerDouble",
     "testdouble_router": "tests.doubles.router:RouterDouble",
+    "testdouble_remote_tier": "tests.doubles.remote_tier:RemoteTierDouble",
 }
 
 
