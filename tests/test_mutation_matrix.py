@@ -31,6 +31,7 @@ import pytest
 
 from kvconform.checkids import matches
 from kvconform.engines.reference.faults import FAULTS
+from kvconform.plugin.session import results_dir
 from tests.doubles import faults_by_double
 from tests.mutation_runs import EXCLUDED_ON_CPU, base, doubles_matrix, expected, reference_matrix, violated
 from tests.test_engine_only_checks import PROVES
@@ -149,7 +150,7 @@ def matrix(
 ) -> tuple[dict[str, dict], dict[str, dict[str, dict]]]:
     clean, faulty = reference_matrix(tmp_path_factory.mktemp("matrix"))
     doubles = doubles_matrix(tmp_path_factory.mktemp("doubles"), PROVES)
-    write_matrix(clean, faulty, doubles, Path(request.config.getoption("--results-dir")))
+    write_matrix(clean, faulty, doubles, results_dir(request.config))
     return clean, faulty
 
 

@@ -43,6 +43,7 @@ import pytest
 
 from kvconform import dashboard
 from kvconform.mainjob import HISTORY_NAME, build_report, run_main_job
+from kvconform.plugin.session import results_dir
 
 FAULT = "granularity_loss"
 SELECT = "partial_block or repeated_prompt or block_size_sweep or radix_cache"
@@ -283,7 +284,7 @@ def _texts(chrome: Chromium, testid: str) -> list[str]:
 
 
 def _save(request: pytest.FixtureRequest, name: str, png: bytes) -> Path:
-    out = Path(request.config.getoption("--results-dir")).resolve() / "screenshots"
+    out = results_dir(request.config) / "screenshots"
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_bytes(png)
