@@ -116,7 +116,7 @@ class _FakeMetrics(BaseHTTPRequestHandler):
         if mode == "garbage":
             body = "<html><body><h1>502 Bad Gateway</h1></body></html>\n"
         elif mode == "truncated":
-            cut = real.index("kvref_prefix_hits_total ") + len("kvref_prefix_hits_total ") + 1
+            cut = real.index("\nkvref_prefix_hits_total ") + len("\nkvref_prefix_hits_total ") + 1
             body = real[:cut]  # mid-line: `kvref_prefix_hits_total 1` of a larger number
         elif mode == "empty":
             body = ""

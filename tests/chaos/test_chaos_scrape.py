@@ -63,7 +63,7 @@ def test_metrics_gauge_nan_or_negative(mode: str, tmp_path: Path, chaos_table) -
     row = Row(
         f"/metrics offload usage gauge {'NaN' if mode == 'nan' else 'negative (-0.5)'}",
         "reference",
-        first_line(target),
+        f"{target['outcome']}: VIOLATED {', '.join(target['violated'])}",
         run.time_to_verdict(check),
         "the check's scenario",
         summarize(run.later(check)),
