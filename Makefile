@@ -5,8 +5,6 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 REAL_ENGINES ?= vllm lmcache lmcache-redis sglang sglang-server dynamo omlx
-# Their environment specs (lmcache-redis runs in lmcache's environment, beside Debian's redis-server).
-REAL_ENGINE_ENVS ?= vllm lmcache sglang sglang-server dynamo omlx
 RESULTS ?= results
 
 .PHONY: main test lint envs selftest engines venv clean
@@ -39,7 +37,7 @@ selftest: venv
 # Engine environments first: self-tests that launch a real engine (e.g. tests/test_omlx_launch.py)
 # then run instead of skipping.
 envs: venv
-	$(BIN)/kvconform env build $(REAL_ENGINE_ENVS)
+	$(BIN)/kvconform env build $(REAL_ENGINES)  # by engine: lmcache-redis builds lmcache's
 
 # The report and the dashboard are written whatever the checks' outcome; the exit code is pytest's.
 engines: envs

@@ -71,7 +71,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 return envs.build_gpu(args.names, force=args.force)
             if not args.names:
                 raise UsageError("env build: name at least one spec (or --gpu for all GPU specs)")
-            for name in args.names:
+            for name in [spec for n in args.names for spec in envs.specs_to_build(n)]:
                 envs.build(name, force=args.force)
                 if args.prune:
                     envs.prune(name)

@@ -156,6 +156,28 @@ def load_spec(name: str) -> EnvSpec:
         return EnvSpec(name, path, tomllib.load(fh))
 
 
+def specs_to_build(name: str) -> list[str]:
+    """What `kvconform env build NAME` builds: NAME's spec, or the spec of the engine named NAME
+    (lmcache-redis runs in lmcache's environment); where NVML sees a GPU, its GPU spec too (the
+    session picks that one; the CPU one still checks command lines against the engine's parser)."""
+    known = known_specs()
+    spec = name
+    if name not in known:
+        from kvconform import registry
+
+        if name in registry.names():
+            spec = getattr(registry.adapter_class(name), "env_spec", None) or ""
+            if not spec:
+                return []  # runs in the suite's own environment (the reference engine)
+    found = [spec]
+    from kvconform.memory import nvml
+
+    gpu = gpu_spec_for(spec) if spec in known and nvml().available else None
+    if gpu and gpu != spec:
+        found.append(gpu)
+    return found
+
+
 def gpu_specs() -> list[str]:
     return [name for name in known_specs() if load_spec(name).gpu]
 

@@ -263,7 +263,19 @@ def test_nightly_covers_the_engines_and_gates_its_own_artifacts() -> None:
     nightly = _load(WORKFLOWS[0])
     job = nightly["jobs"]["conformance"]
     engines = job["strategy"]["matrix"]["engine"]
-    assert set(engines) == {"vllm", "lmcache", "sglang", "dynamo", "trtllm", "reference"}
+    assert set(engines) == {
+        "vllm",
+        "lmcache",
+        "lmcache-redis",
+        "sglang",
+        "sglang-server",
+        "dynamo",
+        "omlx",
+        "trtllm",
+        "reference",
+    }
+    profiles = {i["engine"]: i["profile"] for i in job["strategy"]["matrix"]["include"]}
+    assert all((ROOT / path).is_file() for path in profiles.values()), "every nightly profile ships"
     assert set(engines) <= set(ADAPTERS)
     steps = {s.get("name", s.get("uses")): s for s in job["steps"]}
     uploaded = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))
@@ -273,7 +285,9 @@ def test_nightly_covers_the_engines_and_gates_its_own_artifacts() -> None:
     assert uploaded["with"]["name"] == downloaded["with"]["name"]
     assert '"nightly.yml"' in steps["Find the previous nightly"]["with"]["script"]
     assert WORKFLOWS[0].name == "nightly.yml"
-    builds = [c for c in commands(WORKFLOWS[0]) if c.argv[1:3] == ["env", "build"]]
+    builds = [
+        c for c in commands(WORKFLOWS[0]) if c.argv[1:3] == ["env", "build"] and c.where.startswith("conformance")
+    ]
     assert {c.argv[3] for c in builds} == set(engines)  # `kvconform env build <engine>` in every job...
     build_step = next(s for s in job["steps"] if "env build" in s.get("run", ""))
     assert build_step["if"] == "matrix.engine != 'reference'"  # ...but the reference engine needs none

@@ -15,7 +15,13 @@ from kvconform.plugin import options
 from kvconform.plugin.collection import Collection
 from kvconform.plugin.fixtures import Fixtures
 from kvconform.plugin.recording import Recording, is_worker
-from kvconform.plugin.session import kv_session, selected_engines, set_selected_engines, start_session
+from kvconform.plugin.session import (
+    check_results_dir_writable,
+    kv_session,
+    selected_engines,
+    set_selected_engines,
+    start_session,
+)
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 _active_key = pytest.StashKey[bool]()
@@ -72,7 +78,8 @@ def _validate(config: pytest.Config) -> None:
     for name in engines:
         registry.adapter_class(name)
     if is_worker(config):
-        return  # the controller already probed engines and URLs
+        return  # the controller already probed engines, URLs and the results dir
+    check_results_dir_writable(config)
     probe = start_session(config)
     for name in engines:
         probe.preflight(name)

@@ -102,6 +102,13 @@ def add_options(parser: pytest.Parser) -> None:
         metavar="S",
         help="seconds an engine may take to become healthy (default 300)",
     )
+    group.addoption(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds one request to an engine may take before the check fails naming it (default 60)",
+    )
     parser.addini("kvconform_results_dir", "where check records are written", default="results")
     parser.addini(
         "kvconform_known_failures",

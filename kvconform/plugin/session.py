@@ -13,6 +13,7 @@ import pytest
 from kvconform import envs, registry
 from kvconform.contract import AdapterContext, EngineAdapter
 from kvconform.contract.types import LaunchProfile
+from kvconform.errors import KvconformError
 from kvconform.memory import nvml
 
 DEFAULT_ENGINE = "reference"
@@ -71,6 +72,7 @@ class KvSession:
             workdir=self.workdir / name,
             url=self.config.getoption("--engine-url"),
             start_timeout_s=self.config.getoption("--engine-start-timeout"),
+            request_timeout_s=self.config.getoption("--request-timeout"),
             env_name=self.env_name(name, cls),
             options=options,
             profile=self.profiles.get(name),
@@ -116,6 +118,21 @@ def load_profiles(raw: list[str], engines: list[str]) -> dict[str, LaunchProfile
                 raise pytest.UsageError(f"kvconform: two launch profiles for engine {target!r}")
             profiles[target] = profile
     return profiles
+
+
+def check_results_dir_writable(config: pytest.Config) -> None:
+    """Fail the session at once, in one line, if its records could not be written."""
+    out = results_dir(config)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".kvconform-write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise KvconformError(
+            f"results dir {out} is not writable ({reason}): no record could be kept"
+        ) from None
 
 
 def kv_session(config: pytest.Config) -> KvSession:

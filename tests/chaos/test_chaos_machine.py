@@ -136,7 +136,7 @@ def test_results_dir_unwritable_or_full(mode: str, tmp_path: Path, chaos_table) 
     chaos_table(row)
     assert run.proc.returncode != 0, run.output
     if mode == "not_writable":
-        assert "Read-only file system" in run.output, run.output
+        assert "is not writable (Read-only file system)" in run.output, run.output
     else:
         assert "could not write" in run.output and "NOT written (no partial file)" in run.output, run.output
     assert not (results / "results.json").exists()
