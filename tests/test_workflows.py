@@ -286,7 +286,9 @@ def test_nightly_covers_the_engines_and_gates_its_own_artifacts() -> None:
     assert '"nightly.yml"' in steps["Find the previous nightly"]["with"]["script"]
     assert WORKFLOWS[0].name == "nightly.yml"
     builds = [
-        c for c in commands(WORKFLOWS[0]) if c.argv[1:3] == ["env", "build"] and c.where.startswith("conformance")
+        c
+        for c in commands(WORKFLOWS[0])
+        if c.argv[1:3] == ["env", "build"] and c.where.startswith("conformance")
     ]
     assert {c.argv[3] for c in builds} == set(engines)  # `kvconform env build <engine>` in every job...
     build_step = next(s for s in job["steps"] if "env build" in s.get("run", ""))
