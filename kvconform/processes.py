@@ -207,7 +207,9 @@ class EngineProcess:
         if report.leftover_processes:
             self._kill_all()
             self._wait_gone(5.0)
-        report.leftover_shm = self._leftover_shm()
+        report.leftover_shm = self._leftover_shm(
+            {int(entry.split(":", 1)[0]) for entry in report.leftover_processes}
+        )
         for name in report.leftover_shm:
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()
@@ -260,16 +262,16 @@ class EngineProcess:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
 
-    def _leftover_shm(self) -> dict[str, int]:
+    def _leftover_shm(self, leftover_pids: set[int]) -> dict[str, int]:
         candidates = set(self._held_shm)
         candidates |= set(_shm_listing(self.shm_patterns)) - set(self._shm_before)
-        # A file another live engine process still holds is not this tree's leftover (an
-        # LMCache server maps segments its clients created and still own).
-        with _LIVE_LOCK:
-            others = [proc for proc in _LIVE if proc is not self]
-        for other in others:
-            if other.alive():
-                candidates -= set(shm_held_by(other.pids()))
+        # A file another live process still holds is not this tree's leftover: an LMCache
+        # server maps segments its clients created, and a vLLM server another session is
+        # starting on this machine owns the psm_* ring created meanwhile. Deleting those would
+        # break an engine that is not ours (seen: concurrent vLLM starts failing to attach).
+        own = {self.pid, os.getpid(), *self._known, *leftover_pids}
+        others = [proc.pid for proc in psutil.process_iter() if proc.pid not in own]
+        candidates -= set(shm_held_by(others))
         left = {}
         for name in sorted(candidates):
             with contextlib.suppress(OSError):
