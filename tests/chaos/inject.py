@@ -82,7 +82,20 @@ def _kill(adapter: Any, how: str) -> None:
     else:
         with contextlib.suppress(OSError):
             os.kill(pids[0], signal.SIGKILL)  # the top process, as an OOM killer would
+        # SIGKILL lands asynchronously: on a loaded machine the dying server could still answer
+        # the request that follows. Wait until it is gone, so the fault is the same every run.
+        deadline = time.monotonic() + 5
+        while pids and time.monotonic() < deadline and _alive(pids[0]):
+            time.sleep(0.02)
     log("injected", fault=FAULT, pids=pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def _wrap_trigger(adapter: Any, method: str, how: str) -> None:
