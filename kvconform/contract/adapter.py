@@ -66,6 +66,12 @@ class EngineAdapter(ABC):
     lazy_counters: ClassVar[frozenset[str]] = frozenset()
     model: ClassVar[ModelShape] = ModelShape()
     workers: ClassVar[int] = 1  # serving workers behind the endpoint (a router spreads requests)
+    # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
+    # it (an engine that publishes gauges only per batch and on an idle timer).
+    idle_gauge_refresh_s: ClassVar[float] = 0.0
+    # Period of the loop that evicts from a full cache, for engines that evict in the
+    # background rather than when a store needs room (0: evicts on allocation).
+    eviction_period_s: ClassVar[float] = 0.0
     # Environment spec, in the adapter package's envs/ (None: runs in the suite's own environment).
     env_spec: ClassVar[str | None] = None
     # pytest option dests this adapter reads (added by its own pytest plugin), in ctx.options.

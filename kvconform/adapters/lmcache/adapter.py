@@ -36,6 +36,10 @@ from kvconform.processes import TeardownReport, free_port
 DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
 
 C = Capability
+# L1 evicts from a 1 Hz loop (lmcache/v1/distributed/storage_controllers/eviction_controller.py,
+# L1EvictionController.eviction_loop: sleep(1), then 20 % of LRU keys once usage >= 0.8); a store
+# into a full L1 between two runs is dropped (l1_allocation_failure), not made room for.
+L1_EVICTION_PERIOD_S = 1.0
 L1_GB = 0.05  # small, so eviction is reachable and the server's RSS stays ~470 MB
 REAP_TIMEOUT_S = 30  # LMCache's minimum
 SERVING_INSTANCE = 1
@@ -49,6 +53,7 @@ class LmcacheAdapter(EngineAdapter):
     env_spec = "lmcache"
     default_block_size = 256  # LMCache's chunk size
     recomputes_last_token = False  # a cache store returns every stored chunk
+    eviction_period_s = L1_EVICTION_PERIOD_S
     model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {

@@ -3,6 +3,8 @@ engine's counters (a prefix index not cleaned on eviction reports phantom hits).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvconform.contract import Capability as C
@@ -24,10 +26,18 @@ def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.
     capacity = engine.cache_capacity_tokens()  # per worker
     length = min(1024, max(capacity // 8, engine.block_size() * 4))
     total = factor * capacity * (1 if engine.workers == 1 else 2 * engine.workers)
-    served = 0
+    # An engine that evicts from a periodic loop drops stores into a full cache until the loop
+    # runs: give it that loop once the cache is full and once at the end, so the prompts
+    # served before the fill are the least recently used when it evicts.
+    pause = 2.5 * engine.eviction_period_s
+    served, paused = 0, False
     while served < total:
         engine.serve_prompt(prompts.fresh(length))
         served += length
+        if pause and not paused and served >= total / factor:
+            time.sleep(pause)
+            paused = True
+    time.sleep(pause)
     return served
 
 
