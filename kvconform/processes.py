@@ -14,6 +14,7 @@ import ctypes
 import fcntl
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,6 +124,12 @@ class EngineProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         full_env = {**os.environ, **(env or {})}
+        # A temp dir of its own unless the adapter gave one: engines leave ipc:// sockets and
+        # scratch files in $TMPDIR when killed (vLLM: one socket per launch, named by uuid).
+        self._own_tmpdir: str | None = None
+        if not (env or {}).get("TMPDIR"):
+            self._own_tmpdir = tempfile.mkdtemp(prefix=f"kvc-{name}-")
+            full_env["TMPDIR"] = self._own_tmpdir
         self.started_at = time.time()
         self._shm_before = _shm_listing(self.shm_patterns)
         self.popen = subprocess.Popen(
@@ -214,6 +221,8 @@ class EngineProcess:
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()
         self._log.close()
+        if self._own_tmpdir is not None:
+            shutil.rmtree(self._own_tmpdir, ignore_errors=True)
         self.teardown_report = report
         with _LIVE_LOCK:
             _LIVE.discard(self)
