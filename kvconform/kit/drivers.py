@@ -12,10 +12,12 @@ import itertools
 import json
 import os
 import queue
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
+from kvconform import timing
 from kvconform.errors import DriverError, EngineStartError
 from kvconform.processes import EngineProcess, TeardownReport
 
@@ -33,6 +35,9 @@ def with_engine_side_path(env: dict[str, str] | None) -> dict[str, str]:
     out = dict(env or {})
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [out.get("PYTHONPATH"), str(ENGINE_SIDE_DIR)]))
     return out
+
+
+SHUTDOWN_EXIT_S = 10.0  # a driver's own exit after `shutdown`
 
 
 class DriverProcess:
@@ -108,7 +113,8 @@ class DriverProcess:
             stdin.flush()
         except BrokenPipeError:
             raise DriverError(self.engine, f"driver closed its input (op {op!r})", self.log_tail()) from None
-        reply = self._next_line(timeout_s, op)
+        with timing.engine_call(self.engine):
+            reply = self._next_line(timeout_s, op)
         if reply.get("id") != req_id:
             tail = self.log_tail()
             self.process.stop(grace_s=2)  # out of step, as above
@@ -129,4 +135,9 @@ class DriverProcess:
         if self.process.alive():
             with contextlib.suppress(Exception):
                 self.call("shutdown", timeout_s=10)
+            # Its exit runs the engine's own cleanup (LMCache's finalizers unlink the client's
+            # shm segments): let it finish before any signal. Signalled at once after the
+            # reply, a loaded runner's LMCache client died with -15 and left 2 x 4 MiB.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.popen.wait(timeout=SHUTDOWN_EXIT_S)
         return self.process.stop(grace_s=10)
