@@ -207,6 +207,8 @@ class CheckRecord:
     finding: str = ""  # known-failure manifest entry that expected this
     finding_measures: list[str] = field(default_factory=list)  # the measures it expects VIOLATED
     violated: list[str] = field(default_factory=list)  # the measures this run violated
+    # starts, teardowns and waits on each engine during this check (kvconform.timing)
+    engine_time: dict[str, dict[str, float]] = field(default_factory=dict)
     written_at: float = field(default_factory=time.time)
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import pytest
 import requests
 
-from kvconform import envs
+from kvconform import envs, timing
 from kvconform.contract.capabilities import Capability
 from kvconform.contract.types import (
     AdapterContext,
@@ -92,6 +92,10 @@ class EngineAdapter(ABC):
         session = getattr(self._sessions, "session", None)
         if session is None:
             session = self._sessions.session = requests.Session()
+            name = self.name
+            session.hooks["response"].append(
+                lambda resp, *_a, **_k: timing.add_call(name, resp.elapsed.total_seconds())
+            )
         return session
 
     # ---- identity -----------------------------------------------------------------------
@@ -165,6 +169,8 @@ class EngineAdapter(ABC):
         says so (`take_notes`). Attach mode: an engine that went away cannot be relaunched, so
         this and every later check is skipped with the reason."""
         config = config or EngineConfig()
+        if config.block_size == self.default_block_size:
+            config = config.with_(block_size=None)  # the same server as the default config
         if self.attached:
             self._ensure_attached(config)
             return
@@ -174,9 +180,9 @@ class EngineAdapter(ABC):
                 self._suspect = None
                 return
             lost = "its process died" if not self.running() else f"it stopped answering ({self._suspect})"
-        reports = self.stop() if self.config is not None else []
+        reports = self.timed_stop() if self.config is not None else []
         self._suspect = None
-        self.start(config)
+        self.timed_start(config)
         self.config = config
         if lost is not None:
             teardown = "; ".join(r.describe() for r in reports) or "nothing to tear down"
@@ -218,10 +224,21 @@ class EngineAdapter(ABC):
 
     def restart(self) -> list[TeardownReport]:
         config = self.config or EngineConfig()
-        reports = self.stop()
-        self.start(config)
+        reports = self.timed_stop()
+        self.timed_start(config)
         self.config = config
         return reports
+
+    def timed_start(self, config: EngineConfig) -> None:
+        with timing.starting(self.name):
+            self.start(config)
+
+    def timed_stop(self) -> list[TeardownReport]:
+        t0 = time.monotonic()
+        try:
+            return self.stop()
+        finally:
+            timing.add_stop(self.name, time.monotonic() - t0)
 
     def running(self) -> bool:
         return self.config is not None
@@ -245,7 +262,7 @@ class EngineAdapter(ABC):
 
     def close(self) -> None:
         if not self.attached:
-            self.stop()
+            self.timed_stop()
 
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:

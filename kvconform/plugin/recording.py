@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvconform import findings, report
+from kvconform import findings, report, timing
 from kvconform.checkids import from_nodeid
 from kvconform.memory import nvml
 from kvconform.plugin.collection import check_id, engine_of
@@ -25,6 +25,7 @@ RECORD_KEY = "kvconform-record"
 INCONCLUSIVE_KEY = "kvconform-inconclusive"
 _results_path_key = pytest.StashKey[Path]()
 _inconclusive_key = pytest.StashKey[bool]()
+_time_key = pytest.StashKey[dict[str, timing.EngineTime]]()
 
 
 def _judge_finding(
@@ -58,6 +59,11 @@ class Recording:
     """Hooks of every process of a run (controller and xdist workers)."""
 
     @staticmethod
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item: pytest.Item) -> None:
+        item.stash[_time_key] = timing.snapshot()
+
+    @staticmethod
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
         outcome = yield
@@ -88,6 +94,8 @@ class Recording:
             }
             if item.stash.get(_inconclusive_key, False):
                 payload["inconclusive"] = True
+            if _time_key in item.stash:
+                payload["engine_time"] = timing.since(item.stash[_time_key])
             if entry is not None:
                 payload["finding"] = entry.reason()
                 payload["finding_measures"] = [m.describe() for m in entry.measures]
@@ -117,6 +125,8 @@ class Recording:
             "started": kv.started,
             "finished": time.time(),
             "exitstatus": int(exitstatus),
+            # this process's ledger (without xdist: the whole session, teardowns included)
+            "engine_time": timing.since({}),
         }
         path = merge(kv.results_dir, meta)
         report.write_allure_environment(session.config, meta)
@@ -176,6 +186,7 @@ class RecordCollector:
                 finding=payload.get("finding", ""),
                 finding_measures=payload.get("finding_measures", []),
                 violated=payload.get("violated", []),
+                engine_time=payload.get("engine_time", {}),
             )
         )
 
