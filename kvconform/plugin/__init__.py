@@ -12,7 +12,7 @@ import pytest
 from kvconform import envs
 from kvconform.errors import KvconformError
 from kvconform.plugin import options
-from kvconform.plugin.collection import Collection
+from kvconform.plugin.collection import Collection, Ordering
 from kvconform.plugin.fixtures import Fixtures
 from kvconform.plugin.recording import Recording, is_worker
 from kvconform.plugin.session import (
@@ -51,6 +51,12 @@ def is_active(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "requires(*capabilities): engine capabilities a check needs")
     config.addinivalue_line("markers", "check(id): stable check id")
+    config.addinivalue_line(
+        "markers",
+        "engine_config(**fields, varies=False): the EngineConfig a check starts its engine in, for "
+        'ordering (a field given as "param" is the check\'s parameter of that name; varies: the '
+        "check moves through several)",
+    )
     if not (options.asked_for_engine(config) or collects_our_suites(config)):
         return
     config.stash[_active_key] = True
@@ -63,7 +69,8 @@ def pytest_configure(config: pytest.Config) -> None:
     except KvconformError as exc:
         raise pytest.UsageError(f"kvconform: {exc}") from None
     start_session(config)
-    for name, hooks in (("collection", Collection), ("fixtures", Fixtures), ("recording", Recording)):
+    plugins = {"collection": Collection, "ordering": Ordering, "fixtures": Fixtures, "recording": Recording}
+    for name, hooks in plugins.items():
         config.pluginmanager.register(hooks(), f"kvconform-{name}")
 
 

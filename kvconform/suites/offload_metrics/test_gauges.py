@@ -20,7 +20,7 @@ from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
 from kvconform.suites.offload_metrics.gauges import GaugeSampler
 
-pytestmark = pytest.mark.requires(C.OFFLOAD_GAUGES)
+pytestmark = [pytest.mark.requires(C.OFFLOAD_GAUGES), pytest.mark.engine_config(offload=True)]
 
 EPS = 1e-6
 DRAIN_BOUND_S = 5.0

@@ -24,7 +24,10 @@ from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
-pytestmark = pytest.mark.requires(C.TIERED_STORE_METRICS, C.REMOTE_TIER, C.RESTART)
+pytestmark = [
+    pytest.mark.requires(C.TIERED_STORE_METRICS, C.REMOTE_TIER, C.RESTART),
+    pytest.mark.engine_config(persistent=True),
+]
 
 PERSISTENT = EngineConfig(persistent=True)
 SERVE_BOUND_S = 30.0  # a request with the remote tier gone must end (served or refused) within this

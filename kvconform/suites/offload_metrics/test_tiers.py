@@ -14,7 +14,7 @@ from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
-pytestmark = pytest.mark.requires(C.TIERED_STORE_METRICS)
+pytestmark = [pytest.mark.requires(C.TIERED_STORE_METRICS), pytest.mark.engine_config(persistent=True)]
 
 
 def test_tiered_store_metrics_consistent(

@@ -105,6 +105,7 @@ def test_reset_drops_cached_prefix(
 
 
 @pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.engine_config(block_size="param")
 def test_partial_block_prefix_hits_match_oracle(
     engine: EngineAdapter, has, block_size: int, prompts: PromptFactory, verdict: Verdict
 ) -> None:

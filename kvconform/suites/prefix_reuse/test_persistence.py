@@ -17,7 +17,10 @@ from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
-pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.RESTART, C.PERSISTENT_PREFIX)
+pytestmark = [
+    pytest.mark.requires(C.PREFIX_CACHE, C.RESTART, C.PERSISTENT_PREFIX),
+    pytest.mark.engine_config(persistent=True),
+]
 
 PERSISTENT = EngineConfig(persistent=True)
 

@@ -19,6 +19,7 @@ SHARED_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 PROMPT_TOKENS = 640
 
 
+@pytest.mark.engine_config(block_size=BLOCK_SIZES[0], varies=True)
 def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     curves: dict[int, list[tuple[float, float, float]]] = {}
     off_oracle = []

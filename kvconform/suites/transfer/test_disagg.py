@@ -11,7 +11,7 @@ from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
-pytestmark = pytest.mark.requires(C.DISAGG_SERVING)
+pytestmark = [pytest.mark.requires(C.DISAGG_SERVING), pytest.mark.engine_config(disaggregated=True)]
 
 
 def test_disaggregated_serving_reports_prefix_reuse(
