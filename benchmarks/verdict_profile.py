@@ -35,50 +35,53 @@ def run_suite(engine: str, results: Path, extra: list[str]) -> float:
     return time.monotonic() - t0
 
 
-def profile(results: Path, wall_s: float | None = None) -> dict[str, Any]:
+def profile(results: Path, wall_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """One row per engine of the run (a session's engines run one after another)."""
     data = json.loads((results / "results.json").read_text())
     session, records = data.get("session") or {}, data.get("records") or []
     if wall_s is None:
         wall_s = float(session.get("finished", 0)) - float(session.get("started", 0))
-    wall = wall_s
-    in_checks = {k: 0.0 for k in PHASES}
-    for record in records:
-        for entry in (record.get("engine_time") or {}).values():
+    rows = {}
+    engines = sorted({r.get("engine", "-") for r in records} - {"-"})
+    for engine in engines:
+        mine = [r for r in records if r.get("engine") == engine]
+        spent = {k: 0.0 for k in PHASES}
+        for record in mine:
+            entry = (record.get("engine_time") or {}).get(engine) or {}
             for k in PHASES:
-                in_checks[k] += float(entry.get(k, 0))
-    whole = {k: 0.0 for k in PHASES}
-    for entry in (session.get("engine_time") or {}).values():
-        for k in PHASES:
-            whole[k] += float(entry.get(k, 0))
-    checks_s = sum(float(r.get("duration_s", 0)) for r in records)
-    engine_s = in_checks["start_s"] + in_checks["stop_s"] + in_checks["call_s"]
-    harness_s = max(checks_s - engine_s, 0.0)
-    return {
-        "engines": session.get("engines", {}),
-        "outcomes": dict(Counter(r.get("outcome", "?") for r in records)),
-        "wall_s": round(wall, 1),
-        "checks_s": round(checks_s, 1),
-        "starts": int(whole["starts"]),
-        "start_s": round(whole["start_s"], 1),
-        "stops": int(whole["stops"]),
-        "stop_s": round(whole["stop_s"], 1),
-        "engine_wait_s": round(in_checks["call_s"], 1),
-        "harness_s": round(harness_s, 1),
-        "harness_pct_of_engine": round(100 * harness_s / engine_s, 1) if engine_s else None,
-        "session_overhead_s": round(wall - checks_s, 1),
-        "slowest": sorted(
-            ((r.get("nodeid", "?"), float(r.get("duration_s", 0))) for r in records), key=lambda x: -x[1]
-        )[:5],
-    }
+                spent[k] += float(entry.get(k, 0))
+        checks_s = sum(float(r.get("duration_s", 0)) for r in mine)
+        engine_s = spent["start_s"] + spent["stop_s"] + spent["call_s"]
+        harness_s = max(checks_s - engine_s, 0.0)
+        rows[engine] = {
+            "version": (session.get("engines") or {}).get(engine, "?"),
+            "outcomes": dict(Counter(r.get("outcome", "?") for r in mine)),
+            "checks_s": round(checks_s, 1),
+            "starts": int(spent["starts"]),
+            "start_s": round(spent["start_s"], 1),
+            "stops": int(spent["stops"]),
+            "stop_s": round(spent["stop_s"], 1),
+            "engine_wait_s": round(spent["call_s"], 1),
+            "harness_s": round(harness_s, 1),
+            "harness_pct_of_engine": round(100 * harness_s / engine_s, 1) if engine_s else None,
+            "slowest": sorted(
+                ((r.get("nodeid", "?"), float(r.get("duration_s", 0))) for r in mine), key=lambda x: -x[1]
+            )[:5],
+        }
+    total = sum(float(r.get("duration_s", 0)) for r in records)
+    for row in rows.values():
+        row["session_wall_s"] = round(wall_s, 1)
+        row["session_overhead_s"] = round(wall_s - total, 1)  # collection, report, exit
+    return rows
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
-    head = ["run", "outcomes", "wall s", "starts", "start s", "stops", "stop s", "wait s"]
+    head = ["run", "outcomes", "checks s", "starts", "start s", "stops", "stop s", "wait s"]
     head += ["harness s", "harness %"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for name, p in rows.items():
         outcomes = ", ".join(f"{v} {k}" for k, v in sorted(p["outcomes"].items()))
-        cells = [name, outcomes, p["wall_s"], p["starts"], p["start_s"], p["stops"], p["stop_s"]]
+        cells = [name, outcomes, p["checks_s"], p["starts"], p["start_s"], p["stops"], p["stop_s"]]
         cells += [p["engine_wait_s"], p["harness_s"], p["harness_pct_of_engine"]]
         lines.append(" | ".join(str(c) for c in cells))
     return "\n".join(lines)
@@ -93,12 +96,13 @@ def main() -> None:
     extra = [a for a in extra if a != "--"]
     rows: dict[str, dict[str, Any]] = {}
     for source in args.sources:
-        rows[source.name] = profile(source)
+        for engine, row in profile(source).items():
+            rows[f"{source.name}/{engine}"] = row
     for engine in args.engine:
         results = args.out / engine
         wall = run_suite(engine, results, extra)
-        rows[engine] = profile(results, wall)
-        print(f"[profile] {engine}: {rows[engine]['wall_s']} s", file=sys.stderr)
+        rows.update(profile(results, wall))
+        print(f"[profile] {engine}: {wall:.0f} s", file=sys.stderr)
     if not rows:
         parser.error("give --engine or --from")
     args.out.mkdir(parents=True, exist_ok=True)

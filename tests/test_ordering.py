@@ -6,13 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvconform.plugin.collection import starting_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def collected(*extra: str) -> list[str]:
     argv = [sys.executable, "-m", "pytest", "kvconform/suites", "--engine", "reference"]
-    argv += ["--engine", "vllm", "--collect-only", "-q", "-p", "no:cacheprovider", *extra]
+    argv += ["--collect-only", "-q", "-p", "no:cacheprovider", *extra]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return [line for line in done.stdout.splitlines() if "::" in line]
@@ -40,15 +45,28 @@ def test_checks_of_one_configuration_run_together() -> None:
     ordered, unordered = collected(), collected("-p", "no:kvconform-ordering")
     assert sorted(ordered) == sorted(unordered) and len(set(ordered)) == len(ordered)
     assert ordered != unordered
-    for engine in ("reference", "vllm"):
-        run = [n for n in ordered if f"[{engine}" in n]
-        # vLLM runs at block 32 by default: its block-32 checks are default-configuration ones
-        configs = [config_of(n) for n in run]
-        if engine == "vllm":
-            configs = [c.replace("block 32", "default") for c in configs]
-        groups = [c for i, c in enumerate(configs) if i == 0 or configs[i - 1] != c]
-        assert groups[0] == "default", groups
-        assert len(groups) == len(set(groups)), f"{engine}: a configuration comes back: {groups}"
-        sweep = next(i for i, n in enumerate(run) if "test_sweep.py" in n)
-        # the sweep ends its group: it leaves the engine at another block size
-        assert configs[sweep + 1 :][:1] != [configs[sweep]], configs
+    configs = [config_of(n) for n in ordered]
+    groups = [c for i, c in enumerate(configs) if i == 0 or configs[i - 1] != c]
+    assert groups[0] == "default", groups
+    assert len(groups) == len(set(groups)), f"a configuration comes back: {groups}"
+    sweep = next(i for i, n in enumerate(ordered) if "test_sweep.py" in n)
+    # the sweep ends its group: it leaves the engine at another block size
+    assert configs[sweep + 1 :][:1] != [configs[sweep]], configs
+
+
+class FakeItem:
+    def __init__(self, marker: pytest.Mark | None, params: dict[str, object]) -> None:
+        self.marker, self.callspec = marker, SimpleNamespace(params=params)
+
+    def get_closest_marker(self, name: str) -> pytest.Mark | None:
+        return self.marker if name == "engine_config" else None
+
+
+def test_engine_default_block_size_is_the_default_configuration() -> None:
+    by_param = pytest.mark.engine_config(block_size="param").mark
+    assert starting_config(FakeItem(by_param, {"block_size": 32}), default_block_size=32) == ()
+    at_128 = FakeItem(by_param, {"block_size": 128})
+    assert starting_config(at_128, default_block_size=32) == (("block_size", 128),)
+    assert starting_config(FakeItem(None, {}), default_block_size=32) == ()
+    off = pytest.mark.engine_config(offload=False, persistent=True).mark
+    assert starting_config(FakeItem(off, {}), default_block_size=16) == (("persistent", True),)

@@ -41,5 +41,5 @@ def test_starts_teardowns_and_waits_are_recorded(tmp_path: Path) -> None:
         timeout=60,
     )
     assert profile.returncode == 0, profile.stderr
-    row = json.loads((tmp_path / "p" / "profile.json").read_text())[tmp_path.name]
+    row = json.loads((tmp_path / "p" / "profile.json").read_text())[f"{tmp_path.name}/reference"]
     assert row["starts"] == 2 and row["harness_s"] >= 0 and row["engine_wait_s"] > 0, row
