@@ -41,6 +41,7 @@ _LOCK = threading.Lock()
 _LEDGER: dict[str, EngineTime] = {}
 # A call made while a start is timed (a health probe, a login) is start-up time, not a wait.
 _IN_START = threading.local()
+_IN_STOP = threading.local()
 
 
 def _entry(engine: str) -> EngineTime:
@@ -83,7 +84,11 @@ def engine_call(engine: str) -> Iterator[None]:
 
 @contextmanager
 def starting(engine: str) -> Iterator[None]:
-    """Time a start-up: everything inside counts as start time, calls included."""
+    """Time a start-up: everything inside counts as start time, calls included. Nested (an
+    adapter's start that launches servers of its own) it counts once, at the outside."""
+    if getattr(_IN_START, "active", False):
+        yield
+        return
     t0 = time.monotonic()
     _IN_START.active = True
     try:
@@ -91,6 +96,21 @@ def starting(engine: str) -> Iterator[None]:
     finally:
         _IN_START.active = False
         add_start(engine, time.monotonic() - t0)
+
+
+@contextmanager
+def stopping(engine: str) -> Iterator[None]:
+    """Time a teardown; nested, it counts once, at the outside."""
+    if getattr(_IN_STOP, "active", False):
+        yield
+        return
+    t0 = time.monotonic()
+    _IN_STOP.active = True
+    try:
+        yield
+    finally:
+        _IN_STOP.active = False
+        add_stop(engine, time.monotonic() - t0)
 
 
 def snapshot() -> dict[str, EngineTime]:

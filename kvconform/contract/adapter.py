@@ -234,11 +234,8 @@ class EngineAdapter(ABC):
             self.start(config)
 
     def timed_stop(self) -> list[TeardownReport]:
-        t0 = time.monotonic()
-        try:
+        with timing.stopping(self.name):
             return self.stop()
-        finally:
-            timing.add_stop(self.name, time.monotonic() - t0)
 
     def running(self) -> bool:
         return self.config is not None

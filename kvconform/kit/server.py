@@ -7,6 +7,7 @@ from pathlib import Path
 
 import requests
 
+from kvconform import timing
 from kvconform.processes import TeardownReport
 
 
@@ -34,16 +35,19 @@ class LaunchedServer:
         from kvconform.processes import EngineProcess, wait_until_ready
 
         self.engine = engine
-        self.process = EngineProcess(
-            name, argv, workdir / "logs" / f"{name}.log", env=env, shm_patterns=shm_patterns
-        )
-        http = session or requests.Session()
-        self.ready_after_s = wait_until_ready(
-            self.process, engine, lambda: wait_http_ok(http, health_url), timeout_s, what=health_url
-        )
+        # timed here too: a churn cycle restarts servers inside the adapter, past ensure()
+        with timing.starting(engine):
+            self.process = EngineProcess(
+                name, argv, workdir / "logs" / f"{name}.log", env=env, shm_patterns=shm_patterns
+            )
+            http = session or requests.Session()
+            self.ready_after_s = wait_until_ready(
+                self.process, engine, lambda: wait_http_ok(http, health_url), timeout_s, what=health_url
+            )
 
     def stop(self) -> TeardownReport:
-        return self.process.stop()
+        with timing.stopping(self.engine):
+            return self.process.stop()
 
     def pids(self) -> list[int]:
         return self.process.pids()
