@@ -166,7 +166,10 @@ class ReferenceEngine:
             device = self.pool.match(hashes_for_match[:matchable])
             req.blocks.extend(device)
             sources["device"] = len(device) * bs
-            self.counters.prefix_queries += len(tokens)
+            if "queries_counted_on_miss_only" in self.faults:
+                self.counters.prefix_queries += len(tokens) - len(device) * bs
+            else:
+                self.counters.prefix_queries += len(tokens)
             position = len(device)
             # Lower tiers continue the chain where the device cache stops.
             while position < matchable:
@@ -199,6 +202,8 @@ class ReferenceEngine:
                     ).hexdigest()
                     self._compute_block(block_id, tail_key, count)
                 req.blocks.append(block_id)
+            if self.disk is not None and req.new_blocks and "l2_submitted_per_request" in self.faults:
+                self.disk.submit_request()
             hits = sum(v for k, v in sources.items() if k != "computed")
             self.counters.prefix_hits += hits
             if "hit_counter_drift" in self.faults and hashes and len(hashes) > matchable:

@@ -194,6 +194,44 @@ FAULTS: dict[str, Fault] = {
         "a transfer-pinning counter not decremented on completion",
         ("drain_time", "usage_at_idle", "read_at_idle"),
     ),
+    "write_gauge_own_counter": Fault(
+        "the write gauge has a counter of its own, which a completed store does not decrement "
+        "(usage's does)",
+        (
+            "offload_metrics::test_gauges_consistent_under_load",
+            "offload_metrics::test_gauges_drain_after_load",
+        ),
+        "vLLM's CPU-offload write gauge vs the stores really in flight (two counters out of step)",
+        (
+            "offload_metrics::test_gauges_consistent_under_load:samples_write_above_usage",
+            "offload_metrics::test_gauges_drain_after_load:drain_time",
+            "offload_metrics::test_gauges_drain_after_load:write_at_idle",
+        ),
+    ),
+    "offload_counters_drained_on_scrape": Fault(
+        "the offload byte counters are per-scrape deltas: each scrape reads what moved since the "
+        "last one",
+        ("offload_metrics::test_offload_byte_counters_match_blocks",),
+        "TensorRT-LLM's drained /metrics (per-iteration values read once), exposed as counters",
+        (
+            "store_bytes_delta",
+            "load_bytes_delta",
+            "offload_store_bytes_decreases",
+            "offload_load_bytes_decreases",
+        ),
+    ),
+    "l2_submitted_per_request": Fault(
+        "L2 store submissions are counted per request, completions per block",
+        ("offload_metrics::test_tiered_store_metrics_consistent",),
+        "LMCache's l2_store_submitted (requests) vs l2_store_submitted_objects (objects) mixed up",
+        ("scrapes_with_completed_above_submitted", "l2_submitted_minus_completed_at_idle"),
+    ),
+    "queries_counted_on_miss_only": Fault(
+        "the prefix-query counter counts only the tokens that missed the device cache",
+        ("prefix_reuse::test_repeated_prompt_served_from_cache",),
+        "a lookup counter incremented on the miss path only (hit rate computed from it inflates)",
+        ("prefix_queries_counter_delta",),
+    ),
     "offload_bytes_miscounted": Fault(
         "store/load byte counters count 2-byte elements as 4-byte ones",
         ("offload_metrics::test_offload_byte_counters_match_blocks",),

@@ -42,6 +42,7 @@ class HostTier:
         self.fail_stores = False
         self.chunks: OrderedDict[str, Chunk] = OrderedDict()
         self.pending_writes = 0
+        self.write_pins = 0  # the write gauge's own count (== pending_writes unless a fault)
         self.pending_reads = 0
         self.reads_scheduled = 0  # only the read_gauge_not_derived fault reads this
         self.store_bytes = 0
@@ -65,6 +66,7 @@ class HostTier:
                 return
             self.chunks[key] = Chunk()
             self.pending_writes += 1
+            self.write_pins += 1
         self.jobs.put(lambda: self._store(key, data.to("cpu", copy=True)))
 
     def _make_room(self) -> bool:
@@ -87,9 +89,12 @@ class HostTier:
                 del self.chunks[key]
                 if "failed_store_keeps_write_pending" not in self.faults:
                     self.pending_writes -= 1
+                    self.write_pins -= 1
                 return
             chunk.data, chunk.ready = data, True
             self.pending_writes -= 1
+            if "write_gauge_own_counter" not in self.faults:
+                self.write_pins -= 1
             self.store_bytes += self._bytes_counted()
             self.stored_blocks += 1
 
@@ -148,7 +153,7 @@ class HostTier:
             if "gauges_never_drain" in self.faults:
                 pinned_reads = self.pending_reads
             usage = (self.pending_writes + pinned_reads) / cap
-            write = self.pending_writes / cap
+            write = self.write_pins / cap
             if "read_gauge_not_derived" in self.faults:
                 read = (self.reads_scheduled - self.loaded_blocks - self.pending_writes) / cap
             else:

@@ -54,6 +54,12 @@ class EngineCollector:
 
     def __init__(self, engine: ReferenceEngine) -> None:
         self.engine = engine
+        self._last_scraped = (0, 0)  # only the offload_counters_drained_on_scrape fault
+
+    def _drained(self, store_bytes: int, load_bytes: int) -> tuple[int, int]:
+        last_store, last_load = self._last_scraped
+        self._last_scraped = (store_bytes, load_bytes)
+        return store_bytes - last_store, load_bytes - last_load
 
     def collect(self) -> Any:
         e = self.engine
@@ -85,8 +91,13 @@ class EngineCollector:
             yield _gauge("kvref_offload_usage_perc", "host chunks pinned by transfers", usage)
             yield _gauge("kvref_offload_write_usage_perc", "host chunks pinned by stores", write)
             yield _gauge("kvref_offload_read_usage_perc", "host chunks pinned by loads", read)
-            yield _counter("kvref_offload_store_bytes", "bytes stored to host", e.host.store_bytes)
-            yield _counter("kvref_offload_load_bytes", "bytes loaded from host", e.host.load_bytes)
+            store_bytes, load_bytes = e.host.store_bytes, e.host.load_bytes
+            if "offload_counters_drained_on_scrape" in e.faults:
+                # per-interval values exposed as counters: each scrape reads what moved since
+                # the last one
+                store_bytes, load_bytes = self._drained(store_bytes, load_bytes)
+            yield _counter("kvref_offload_store_bytes", "bytes stored to host", store_bytes)
+            yield _counter("kvref_offload_load_bytes", "bytes loaded from host", load_bytes)
             yield _counter("kvref_offload_stored_blocks", "blocks stored to host", e.host.stored_blocks)
             yield _counter("kvref_offload_loaded_blocks", "blocks loaded from host", e.host.loaded_blocks)
             yield _counter("kvref_offload_failed_stores", "host stores that failed", e.host.failed_stores)
