@@ -5,8 +5,10 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 REAL_ENGINES ?= vllm lmcache sglang sglang-server dynamo omlx
-# Engines run in a session of their own: two LMCache stacks in one session disturb each other
-# (lmcache's eviction check kept a prefix, lmcache-redis saw lmcache's client segments).
+# Engines run in a session of their own. lmcache-redis was moved out when two LMCache stacks in
+# one session seemed to disturb each other; both symptoms had other causes since found (LMCache's
+# 1 Hz eviction loop; a client signalled before its finalizers unlinked its segments), but the
+# shared session has not been rerun yet.
 SEPARATE_ENGINES ?= lmcache-redis
 RESULTS ?= results
 
