@@ -87,8 +87,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("offload_metrics::test_block_pool_stats_consistent", "reused_blocks_during_run"): _NOFAULT,
     ("prefix_reuse::test_evicted_prefix_not_reported_as_hit", "hit_tokens_counter_delta"): _NOFAULT,
     ("prefix_reuse::test_evicted_prefix_not_reported_as_hit", "queried_tokens_counter_delta"): _NOFAULT,
-    ("prefix_reuse::test_hits_survive_restart", "output_identical_to_cold_run"): _NOFAULT,
-    ("prefix_reuse::test_hits_survive_restart", "teardown_leftovers"): _NOFAULT,
     ("prefix_reuse::test_repeated_prompt_served_from_cache", "cached_tokens_in_response"): _NOFAULT,
     ("prefix_reuse::test_router_prediction_matches_worker", "served_cached_off_oracle"): _NOFAULT,
     ("transfer::test_disaggregated_serving_reports_prefix_reuse", "prompt_tokens_served"): _NOFAULT,

@@ -131,14 +131,26 @@ FAULTS: dict[str, Fault] = {
         (
             "memory_reclaim::test_churn_returns_to_baseline[restart]",
             "memory_reclaim::test_churn_returns_to_baseline[close]",
+            "prefix_reuse::test_hits_survive_restart",
         ),
         "vLLM: the API server stopped alone orphans EngineCore/worker processes (ENGINES.md)",
-        tuple(
-            f"memory_reclaim::test_churn_returns_to_baseline[{path}]:{path}_leftover_{what}.{measure}"
-            for path in ("restart", "close")
-            for what in ("processes", "shm_bytes")
-            for measure in ("final_delta", "leak_slope")
+        (
+            *(
+                f"memory_reclaim::test_churn_returns_to_baseline[{path}]:{path}_leftover_{what}.{measure}"
+                for path in ("restart", "close")
+                for what in ("processes", "shm_bytes")
+                for measure in ("final_delta", "leak_slope")
+            ),
+            "prefix_reuse::test_hits_survive_restart:teardown_leftovers",
         ),
+    ),
+    "index_rebuilt_by_file_order": Fault(
+        "on restart the disk index is rebuilt by pairing the block keys with the files in "
+        "directory order, not by each file's own name: hits survive, with another block's KV",
+        ("prefix_reuse::test_hits_survive_restart",),
+        "oMLX 0.5.3's fix: the prefix cache rebuilt on restart restores by the real payload "
+        "format, not by position",
+        ("output_identical_to_cold_run",),
     ),
     "tensor_retained_after_destroy": Fault(
         "destroy drops an in-process engine from the registry but keeps it (and its KV "
