@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -24,14 +24,7 @@ class EngineTime:
     call_s: float = 0.0
 
     def minus(self, earlier: EngineTime) -> EngineTime:
-        return EngineTime(
-            self.starts - earlier.starts,
-            self.start_s - earlier.start_s,
-            self.stops - earlier.stops,
-            self.stop_s - earlier.stop_s,
-            self.calls - earlier.calls,
-            self.call_s - earlier.call_s,
-        )
+        return EngineTime(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -48,18 +41,11 @@ def _entry(engine: str) -> EngineTime:
     return _LEDGER.setdefault(engine, EngineTime())
 
 
-def add_start(engine: str, seconds: float) -> None:
+def _add(engine: str, count: str, seconds_field: str, seconds: float) -> None:
     with _LOCK:
         entry = _entry(engine)
-        entry.starts += 1
-        entry.start_s += seconds
-
-
-def add_stop(engine: str, seconds: float) -> None:
-    with _LOCK:
-        entry = _entry(engine)
-        entry.stops += 1
-        entry.stop_s += seconds
+        setattr(entry, count, getattr(entry, count) + 1)
+        setattr(entry, seconds_field, getattr(entry, seconds_field) + seconds)
 
 
 def add_call(engine: str, seconds: float) -> None:
@@ -67,10 +53,7 @@ def add_call(engine: str, seconds: float) -> None:
     their own while a check waits, and their time overlaps the check's."""
     if getattr(_IN_START, "active", False) or threading.current_thread() is not threading.main_thread():
         return
-    with _LOCK:
-        entry = _entry(engine)
-        entry.calls += 1
-        entry.call_s += seconds
+    _add(engine, "calls", "call_s", seconds)
 
 
 @contextmanager
@@ -83,34 +66,29 @@ def engine_call(engine: str) -> Iterator[None]:
 
 
 @contextmanager
-def starting(engine: str) -> Iterator[None]:
-    """Time a start-up: everything inside counts as start time, calls included. Nested (an
-    adapter's start that launches servers of its own) it counts once, at the outside."""
-    if getattr(_IN_START, "active", False):
+def _timed_once(flag: threading.local, engine: str, count: str, seconds_field: str) -> Iterator[None]:
+    """Time the block into the ledger; nested inside another block of the same kind (an
+    adapter's start that launches servers of its own), it counts once, at the outside."""
+    if getattr(flag, "active", False):
         yield
         return
     t0 = time.monotonic()
-    _IN_START.active = True
+    flag.active = True
     try:
         yield
     finally:
-        _IN_START.active = False
-        add_start(engine, time.monotonic() - t0)
+        flag.active = False
+        _add(engine, count, seconds_field, time.monotonic() - t0)
 
 
-@contextmanager
-def stopping(engine: str) -> Iterator[None]:
-    """Time a teardown; nested, it counts once, at the outside."""
-    if getattr(_IN_STOP, "active", False):
-        yield
-        return
-    t0 = time.monotonic()
-    _IN_STOP.active = True
-    try:
-        yield
-    finally:
-        _IN_STOP.active = False
-        add_stop(engine, time.monotonic() - t0)
+def starting(engine: str) -> AbstractContextManager[None]:
+    """Time a start-up: everything inside counts as start time, calls included."""
+    return _timed_once(_IN_START, engine, "starts", "start_s")
+
+
+def stopping(engine: str) -> AbstractContextManager[None]:
+    """Time a teardown."""
+    return _timed_once(_IN_STOP, engine, "stops", "stop_s")
 
 
 def snapshot() -> dict[str, EngineTime]:

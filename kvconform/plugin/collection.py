@@ -74,7 +74,12 @@ def order_by_configuration(items: list[pytest.Item], block_size_of: dict[str, in
 
     def flush() -> None:
         size = block_size_of.get(engine or "")
-        run.sort(key=lambda i: (starting_config(i, size) != (), starting_config(i, size), varies(i)))
+
+        def key(item: pytest.Item) -> tuple[bool, ConfigKey, bool]:
+            config = starting_config(item, size)
+            return config != (), config, varies(item)
+
+        run.sort(key=key)
         ordered.extend(run)
         run.clear()
 

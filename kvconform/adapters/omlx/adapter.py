@@ -444,10 +444,11 @@ class OmlxAdapter(EngineAdapter):
         }
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        files_before = None if self.attached else {name for name, _ in self._file_state()}
+        fresh = [] if self.attached else self._unstored_prefixes(tokens)
+        files_before = self._file_names() if fresh else set()
         data = self.post_json("/v1/completions", self.completion_body(tokens, max_tokens))
-        if files_before is not None:
-            self._wait_blocks_stored(tokens, files_before)
+        if fresh:
+            self._wait_blocks_stored(fresh, files_before)
         if not isinstance(data, dict):
             raise EngineError(self.name, f"/v1/completions returned {type(data).__name__}, not an object")
         usage = data.get("usage") or {}
@@ -548,24 +549,25 @@ class OmlxAdapter(EngineAdapter):
                 return
             time.sleep(0.1)
 
-    def _wait_blocks_stored(self, tokens: list[int], files_before: set[str], timeout_s: float = 5.0) -> None:
+    def _unstored_prefixes(self, tokens: list[int]) -> list[int]:
+        """Hashes of the prompt's full-block prefixes this server life has not stored yet
+        (our own ledger, not the engine's word)."""
+        prefixes = (hash(tuple(tokens[:end])) for end in range(BLOCK_SIZE, len(tokens) + 1, BLOCK_SIZE))
+        return [key for key in prefixes if key not in self._stored_prefixes]
+
+    def _file_names(self) -> set[str]:
+        return {path.name for path in self.persisted_entries()}
+
+    def _wait_blocks_stored(self, fresh: list[int], files_before: set[str], timeout_s: float = 5.0) -> None:
         """oMLX stores a finished request's blocks after it answered (scheduler.py,
         _cleanup_finished -> _store_cache_executor, "G2-async"), so a repeat sent at once can
         find part of them: measured on a loaded 2-core runner, 256 of 1536 tokens. A serving
         client sees that too, but the checks ask about the cache's accounting, not its write
         latency: wait (bounded) until the prompt's blocks this server life has not stored yet
-        are on disk, each a new file. Which prefixes were stored is our own ledger, not the
-        engine's word; a store oMLX drops (queue full) only costs the wait."""
-        fresh = []
-        for end in range(BLOCK_SIZE, len(tokens) + 1, BLOCK_SIZE):
-            key = hash(tuple(tokens[:end]))
-            if key not in self._stored_prefixes:
-                fresh.append(key)
-        if not fresh:
-            return
+        are on disk, each a new file. A store oMLX drops (queue full) only costs the wait."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if len({name for name, _ in self._file_state()} - files_before) >= len(fresh):
+            if len(self._file_names() - files_before) >= len(fresh):
                 break
             time.sleep(0.05)
         self._stored_prefixes.update(fresh)
