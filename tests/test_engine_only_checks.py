@@ -68,6 +68,7 @@ PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "offload_metrics::test_remote_tier_bytes_reconcile",
             "offload_metrics::test_remote_tier_eviction_within_capacity",
             "offload_metrics::test_remote_server_loss",
+            "offload_metrics::test_remote_store_counters_track_pending_writes",
         ),
     ),
 }

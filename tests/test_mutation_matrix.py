@@ -55,6 +55,7 @@ PROVED_ELSEWHERE: dict[str, str] = {
     "offload_metrics::test_remote_tier_bytes_reconcile": "tests/test_engine_only_checks.py",
     "offload_metrics::test_remote_tier_eviction_within_capacity": "tests/test_engine_only_checks.py",
     "offload_metrics::test_remote_server_loss": "tests/test_engine_only_checks.py",
+    "offload_metrics::test_remote_store_counters_track_pending_writes": "tests/test_engine_only_checks.py",
 }
 CHURN = "memory_reclaim::test_churn_returns_to_baseline"
 # Measures only real engines (or GPU runners) record: (check, measure) -> where it is proved.

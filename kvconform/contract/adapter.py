@@ -441,6 +441,19 @@ class EngineAdapter(ABC):
         """Stop the remote server under the running engine; what its teardown found."""
         raise NotImplementedError
 
+    def remote_pause_writes(self, seconds: float) -> None:
+        """The remote store holds every write for `seconds` (reads go on): the engine's stores
+        stay in flight that long, whatever its own counters say."""
+        raise NotImplementedError
+
+    def remote_refuse_writes(self, refuse: bool) -> None:
+        """While on, the remote store refuses every write with an error (reads go on)."""
+        raise NotImplementedError
+
+    def remote_refused_writes(self) -> int:
+        """How many writes the remote store has refused so far, counted by the store."""
+        raise NotImplementedError
+
     # ---- offload (OFFLOAD_*) -----------------------------------------------------------
     def set_store_failure(self, fail: bool) -> None:
         raise NotImplementedError

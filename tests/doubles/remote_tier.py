@@ -18,7 +18,9 @@ Not an engine. The contract is the one LmcacheRedisAdapter implements (kvconform
 
 A request looks its chunks up in L1, then in L2 (loads), serves the longest valid prefix, computes
 the rest and stores what L1 and L2 lack. With the remote server gone an L2 operation fails at once
-(connection refused) and the request goes on without L2.
+(connection refused) and the request goes on without L2. A store the server holds (paused writes)
+stays in flight until the pause ends; one it refuses (out of memory) fails: counted submitted and
+failed, the chunk stays in L1 only.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ HEADER = 28  # LMCache's RemoteMetadata: length, shape, dtype, format
 # The remote client's socket timeout: 1 s past the server-loss check's 30 s bound (SERVE_BOUND_S)
 REMOTE_TIMEOUT_S = 31.0
 USAGE, SUBMITTED, COMPLETED = "l2_usage_bytes", "l2_store_submitted_total", "l2_store_completed_total"
+FAILED, L1_USAGE = "l2_store_failed_total", "l1_usage_bytes"
+CLIENT_TIMEOUT_S = 1.0  # the remote client's write timeout (the held_writes_abandoned fault)
+FREE_LINK = 16  # bytes an allocator writes into a freed buffer (its free-list link)
 
 _DAMAGE = "prefix_reuse::test_remote_damaged_entry_recomputed"
 _RECONCILE = "offload_metrics::test_remote_tier_bytes_reconcile"
 _EVICTION = "offload_metrics::test_remote_tier_eviction_within_capacity"
 _LOSS = "offload_metrics::test_remote_server_loss"
+_PENDING = "offload_metrics::test_remote_store_counters_track_pending_writes"
 
 FAULTS: dict[str, Fault] = {
     "remote_checks_length_only": Fault(
@@ -159,6 +165,76 @@ FAULTS: dict[str, Fault] = {
         "index still refers to it",
         ("stored_prompt_output_identical",),
     ),
+    "submitted_counted_on_completion": Fault(
+        "the submitted counter moves when a store completes, not when it is handed to the remote "
+        "client: a store the server holds is in flight but never shows as such",
+        (_PENDING,),
+        "write-pending signals published from the completion path (vLLM's offload write gauge "
+        "against the stores the host-copy worker has in flight)",
+        ("l2_pending_objects_while_remote_paused",),
+    ),
+    "held_writes_abandoned": Fault(
+        f"a write the server holds longer than the client's {CLIENT_TIMEOUT_S:.0f} s timeout is "
+        "abandoned (the server drops the closed connection's command) but counted completed",
+        (_PENDING,),
+        "LMCache 0.5.6 counts a failed store task completed (store_controller.py _finalize_store); "
+        "a timed-out RESP write",
+        ("remote_objects_after_pause",),
+    ),
+    "late_completions_dropped": Fault(
+        f"the completion of a store that took longer than {CLIENT_TIMEOUT_S:.0f} s is dropped: "
+        "the chunk lands in the store, the completed counter never moves",
+        (_PENDING,),
+        "LMCache store_controller.py _drain_l2_store_completions: a completion whose task is no "
+        "longer tracked is logged ('not found in tracking') and dropped",
+        ("l2_pending_objects_after_pause",),
+    ),
+    "store_skipped_when_store_full": Fault(
+        "the engine asks the store for its free memory first and skips the L2 write when it is "
+        "full: no write is ever refused, so the failed-store path never runs",
+        (_PENDING,),
+        "L2 admission control that drops stores silently (a store policy skipping a full tier)",
+        ("remote_refused_writes",),
+    ),
+    "failed_store_left_pending": Fault(
+        "a refused store counts as submitted and never as completed or failed: it stays in flight for good",
+        (_PENDING,),
+        "LMCache 0.5.6: l2_store_completed_objects counts successful chunks only and no counter "
+        "counts failed ones (mp_observability/subscribers/metrics/l2.py)",
+        ("l2_pending_objects_after_failed_stores",),
+    ),
+    "failed_store_drops_l1": Fault(
+        "a refused L2 store also deletes the chunks' L1 copies, as a successful one may "
+        "(the L1 deletion policy applied on the failure path)",
+        (_PENDING,),
+        "LMCache store_controller.py: select_l1_deletions after an L2 store (applied on success only there)",
+        ("hits_after_failed_stores",),
+    ),
+    "failed_store_frees_l1_buffers": Fault(
+        "a refused L2 store returns the chunks' L1 buffers to the allocator while L1 still "
+        f"indexes them; the allocator writes its {FREE_LINK}-byte free-list link into each, so a "
+        "hit on them serves damaged KV",
+        (_PENDING,),
+        "LMCache memory-object ref-count bugs: a buffer released on an error path while the L1 "
+        "index still refers to it",
+        ("output_after_failed_stores_identical",),
+    ),
+    "refusal_desyncs_connection": Fault(
+        "the remote client leaves an error reply unread on its connection: every later write "
+        "on it fails, until the engine reconnects (next start)",
+        (_PENDING,),
+        "LMCache 0.5.6 RESP L2 adapter: after Redis refused writes (OOM), stores keep failing "
+        "('Store task N to adapter 0 failed') on a store that takes writes again",
+        ("remote_objects_after_refusals_end",),
+    ),
+    "l1_gauge_counts_l2_staging": Fault(
+        "the L1 usage gauge also counts the staging copy each L2 write makes of a chunk, and "
+        "never subtracts it",
+        (_PENDING,),
+        "usage gauges incremented for read-locked copies held during an L2 store and not "
+        "decremented on release (LMCache L1 gauges)",
+        ("l1_usage_bytes_delta",),
+    ),
 }
 
 
@@ -192,11 +268,17 @@ class RemoteDown(Exception):
 
 
 class Store:
-    """The remote server: key -> bytes, up or down."""
+    """The remote server: key -> bytes, up or down; it may hold writes (paused) or refuse them."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
         self.up = True
+        self.paused_until = 0.0
+        self.refusing = False
+        self.refused = 0
+
+    def paused(self) -> bool:
+        return time.monotonic() < self.paused_until
 
     def get(self, key: str) -> bytes | None:
         if not self.up:
@@ -225,6 +307,7 @@ class Connection:
         self.store = store
         self.desyncs = desyncs
         self.lag = b""
+        self.broken = False  # an error reply left unread (the refusal_desyncs_connection fault)
 
     def load(self, key: str, nbytes: int) -> bytes | None:
         value = self.store.get(key)
@@ -259,12 +342,16 @@ class RemoteTierDouble(DoubleAdapter):
         "l2_usage_bytes": USAGE,
         "l2_store_submitted": SUBMITTED,
         "l2_store_completed": COMPLETED,
+        "l2_store_failed": FAILED,
+        "l1_usage_bytes": L1_USAGE,
     }
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.store = Store()
-        self.submitted = self.completed = 0
+        self.submitted = self.completed = self.failed = 0
+        self.held: list[tuple[str, bytes, float]] = []  # writes the store holds: key, value, since
+        self.l1_gauge = 0
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, config: EngineConfig) -> None:
@@ -281,11 +368,13 @@ class RemoteTierDouble(DoubleAdapter):
                     self.l2[key] = len(value)
         self.gauge_bytes = sum(self.l2.values())  # the running gauge (usage_gauge_not_decremented...)
         self.conn = Connection(self.store, self.fault in _DESYNC)
-        self.submitted = self.completed = 0
+        self.submitted = self.completed = self.failed = 0
+        self.held, self.l1_gauge = [], 0
 
     def stop(self) -> list[TeardownReport]:
         self.config = None
         self.l1, self.slots, self.free = OrderedDict(), [], []
+        self.held, self.l1_gauge = [], 0
         return []
 
     def running(self) -> bool:
@@ -301,6 +390,7 @@ class RemoteTierDouble(DoubleAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         if not self.running():
             raise EngineError(self.name, "not started")
+        self._release_held()
         per_token = self.model.kv_bytes_per_token()
         chunks = chunk_keys(tokens, self.block_size(), self.fault == "partial_chunk_saved")
         remote_ok = True
@@ -365,6 +455,16 @@ class RemoteTierDouble(DoubleAdapter):
             index_key = f"{key}@L0" if self.fault == "layerwise_objects" else key
             if index_key in self.l2 and not rewrite:
                 continue
+            if (self.store.refusing or self.conn.broken) and self.store.up:
+                self._refused(key)
+                continue
+            if self.fault == "l1_gauge_counts_l2_staging":
+                self.l1_gauge += len(data)
+            if self.store.paused() and self.store.up:
+                if self.fault != "submitted_counted_on_completion":
+                    self.submitted += 1
+                self.held.append((key, data, time.monotonic()))
+                continue
             self.submitted += 1
             if self.fault == "layerwise_objects":
                 half = len(data) // 2
@@ -381,6 +481,39 @@ class RemoteTierDouble(DoubleAdapter):
                 self.completed += 1
         if written and self.fault == "store_completed_counts_batches":
             self.completed += 1
+        self._evict()
+
+    def _refused(self, key: str) -> None:
+        """The store answers the write with an out-of-memory error."""
+        if self.fault == "store_skipped_when_store_full":
+            return  # it asked first, and never wrote
+        if self.store.refusing:
+            self.store.refused += 1
+            self.conn.broken = self.fault == "refusal_desyncs_connection"
+        self.submitted += 1
+        if self.fault != "failed_store_left_pending":
+            self.failed += 1
+        if key in self.l1 and self.fault == "failed_store_drops_l1":
+            self.free.append(self.l1.pop(key))
+            self.l1_gauge -= len(self.slots[self.free[-1]])
+        elif key in self.l1 and self.fault == "failed_store_frees_l1_buffers":
+            slot = self.l1[key]
+            self.free.append(slot)  # released, still indexed
+            self.slots[slot] = bytes(FREE_LINK) + self.slots[slot][FREE_LINK:]
+
+    def _release_held(self) -> None:
+        """Once the store's pause ends, the writes it held land (or are given up on)."""
+        if not self.held or self.store.paused():
+            return
+        held, self.held = self.held, []
+        for key, data, since in held:
+            slow = time.monotonic() - since > CLIENT_TIMEOUT_S
+            if self.fault == "submitted_counted_on_completion":
+                self.submitted += 1
+            if not (slow and self.fault == "held_writes_abandoned"):
+                self._write(key, data)
+            if not (slow and self.fault == "late_completions_dropped"):
+                self.completed += 1
         self._evict()
 
     def _write(self, key: str, value: bytes) -> None:
@@ -408,6 +541,7 @@ class RemoteTierDouble(DoubleAdapter):
         while len(self.l1) >= L1_CHUNKS:
             _old, slot = self.l1.popitem(last=False)
             self.free.append(slot)
+            self.l1_gauge -= len(self.slots[slot])
         if self.free:
             slot = self.free.pop()
             self.slots[slot] = data
@@ -415,6 +549,7 @@ class RemoteTierDouble(DoubleAdapter):
             slot = len(self.slots)
             self.slots.append(data)
         self.l1[key] = slot
+        self.l1_gauge += len(data)
 
     def _remote_failed(self) -> None:
         if self.fault == "l1_buffers_released_on_remote_loss":
@@ -423,6 +558,7 @@ class RemoteTierDouble(DoubleAdapter):
 
     # ---- metrics ------------------------------------------------------------------------
     def metrics(self) -> MetricSnapshot:
+        self._release_held()
         if self.fault == "usage_gauge_from_store_memory":
             usage = sum(self.store.memory_usage(k) for k in self.l2 if k in self.store.data)
         else:
@@ -431,6 +567,8 @@ class RemoteTierDouble(DoubleAdapter):
             USAGE: {frozenset(): float(usage)},
             SUBMITTED: {frozenset(): float(self.submitted)},
             COMPLETED: {frozenset(): float(self.completed)},
+            FAILED: {frozenset(): float(self.failed)},
+            L1_USAGE: {frozenset(): float(self.l1_gauge)},
         }
         return MetricSnapshot(time.time(), samples)
 
@@ -441,6 +579,7 @@ class RemoteTierDouble(DoubleAdapter):
         return self.store
 
     def remote_entries(self) -> dict[str, int]:
+        self._release_held()
         return {k: len(v) for k, v in self._up().data.items() if k.startswith(PREFIX)}
 
     def remote_objects_total(self) -> int:
@@ -463,6 +602,15 @@ class RemoteTierDouble(DoubleAdapter):
         if not self.store.up:
             self.store = Store()
         self.store.data.clear()
+
+    def remote_pause_writes(self, seconds: float) -> None:
+        self._up().paused_until = time.monotonic() + seconds
+
+    def remote_refuse_writes(self, refuse: bool) -> None:
+        self._up().refusing = refuse
+
+    def remote_refused_writes(self) -> int:
+        return self._up().refused
 
     def remote_down(self) -> TeardownReport:
         self.store.up = False

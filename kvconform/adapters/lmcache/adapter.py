@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvconform.adapters.lmcache.redis_server import RedisServer, redis_binary
+from kvconform.adapters.lmcache.redis_server import REDIS_MAXMEMORY, RedisServer, redis_binary
 from kvconform.contract import (
     AdapterContext,
     Capability,
@@ -82,6 +82,11 @@ class LmcacheAdapter(EngineAdapter):
         "l2_usage_bytes": "lmcache_mp_l2_usage_bytes",
         "l2_store_submitted": "lmcache_mp_l2_store_submitted_objects_chunks_total",
         "l2_store_completed": "lmcache_mp_l2_store_completed_objects_chunks_total",
+        # per store task, failed ones included (storage_controllers/store_controller.py
+        # _finalize_store publishes L2_STORE_COMPLETED either way); the object counter above
+        # counts successful chunks only (mp_observability/subscribers/metrics/l2.py)
+        "l2_store_submitted_requests": "lmcache_mp_l2_store_submitted_requests_total",
+        "l2_store_completed_requests": "lmcache_mp_l2_store_completed_requests_total",
     }
     lazy_counters: ClassVar[frozenset[str]] = frozenset(
         {
@@ -91,6 +96,8 @@ class LmcacheAdapter(EngineAdapter):
             "lookup_hit_tokens",
             "l2_store_submitted",
             "l2_store_completed",
+            "l2_store_submitted_requests",
+            "l2_store_completed_requests",
         }
     )
     churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close", "destroy")
@@ -255,11 +262,19 @@ class LmcacheAdapter(EngineAdapter):
     def persisted_entries(self) -> list[Path]:
         return sorted(p for p in self.l2_dir().rglob("*") if p.is_file())
 
-    def flush_persistent(self, timeout_s: float = 15.0) -> None:
+    def flush_persistent(self, timeout_s: float = 15.0, quiet_s: float = 0.5) -> None:
+        """Until every store task has ended and no new one came for quiet_s: the store controller
+        submits L2 tasks from its own loop after the client's store returned. The task counters,
+        which count a failed task done (the object counters never count a failed chunk)."""
         deadline = time.monotonic() + timeout_s
+        last, since = -1.0, time.monotonic()
         while time.monotonic() < deadline:
             snap = self.metrics()
-            if self.metric("l2_store_submitted", snap) <= self.metric("l2_store_completed", snap):
+            submitted = self.metric("l2_store_submitted_requests", snap)
+            if submitted != last:
+                last, since = submitted, time.monotonic()
+            done = submitted <= self.metric("l2_store_completed_requests", snap)
+            if done and time.monotonic() - since >= quiet_s:
                 return
             time.sleep(0.1)
 
@@ -512,6 +527,25 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     def remote_down(self) -> TeardownReport:
         """Chaos: the Redis server goes away under a running LMCache."""
         return self.stop_remote()
+
+    def remote_pause_writes(self, seconds: float) -> None:
+        # CLIENT PAUSE ... WRITE (Redis >= 6.2): write commands block, reads are served
+        self._redis().command("CLIENT", "PAUSE", int(seconds * 1000), "WRITE")
+
+    def remote_refuse_writes(self, refuse: bool) -> None:
+        """Redis under `noeviction` answers every write with an OOM error once its memory is over
+        maxmemory: 1 byte refuses all, the launch value (REDIS_MAXMEMORY) restores it."""
+        value = "1" if refuse else REDIS_MAXMEMORY
+        self._redis().command("CONFIG", "SET", "maxmemory", value)
+
+    def remote_refused_writes(self) -> int:
+        """Redis's own count of OOM replies (INFO errorstats: errorstat_OOM:count=N)."""
+        info = self._redis().command("INFO", "errorstats")
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        for line in text.splitlines():
+            if line.startswith("errorstat_OOM:"):
+                return int(line.split("count=", 1)[1].split(",", 1)[0])
+        return 0
 
     def stop_remote(self) -> TeardownReport:
         assert self.redis is not None

@@ -19,6 +19,7 @@ from kvconform.errors import EngineError, UsageError
 from kvconform.processes import EngineProcess, TeardownReport, free_port, wait_until_ready
 
 REDIS_PACKAGE = "redis-server"  # the Debian package that ships /usr/bin/redis-server
+REDIS_MAXMEMORY = "256mb"
 
 
 def redis_binary() -> str:
@@ -104,7 +105,7 @@ class RedisServer:
             "--protected-mode",
             "yes",
             "--maxmemory",
-            "256mb",  # a runaway tier fails with OOM errors instead of eating the runner
+            REDIS_MAXMEMORY,  # a runaway tier fails with OOM errors instead of eating the runner
             "--maxmemory-policy",
             "noeviction",  # Redis must not evict on its own: what LMCache deletes is under test
             "--loglevel",

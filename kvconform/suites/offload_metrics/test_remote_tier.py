@@ -7,13 +7,16 @@ engine's keys); what it should hold comes from the model shape (chunks x chunk b
 An adapter declaring remote_tier provides, besides remote_entries() (see
 prefix_reuse/test_remote_tier.py): remote_objects_total() (every object in the store, the
 engine's or not), remote_memory_usage(key), remote_capacity_bytes() (the L2 capacity the
-adapter configured), remote_wipe() (engine stopped, store emptied out of band) and
-remote_down() (the remote server is stopped under a running engine; its teardown report).
+adapter configured), remote_wipe() (engine stopped, store emptied out of band),
+remote_down() (the remote server is stopped under a running engine; its teardown report), and
+for the write-pending check remote_pause_writes(s), remote_refuse_writes(on) and
+remote_refused_writes() (the store's own count of writes it refused).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -31,6 +34,8 @@ pytestmark = [
 
 PERSISTENT = EngineConfig(persistent=True)
 SERVE_BOUND_S = 30.0  # a request with the remote tier gone must end (served or refused) within this
+PAUSE_S = 4.0  # how long the store holds writes: long enough to scrape the stores in flight
+SETTLE_S = 15.0  # stores held or refused by the store end (done or failed) within this once it resumes
 
 
 def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
@@ -166,4 +171,132 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
         verdict.equal("stored_prompt_output_identical", int(got.output == cold.output), 1)
     verdict.record("engine_healthy_after_loss", int(engine.healthy()))
     engine.stop()  # the next check starts the stack again, remote server included
+    verdict.conclude()
+
+
+def pending_objects(engine: EngineAdapter) -> float:
+    """Stores in flight by the engine's counters: submitted - completed - failed, where the
+    engine counts failed stores at all (an adapter declares l2_store_failed only if it exists)."""
+    snap = engine.metrics()
+    pending = engine.metric("l2_store_submitted", snap) - engine.metric("l2_store_completed", snap)
+    if "l2_store_failed" in engine.metric_names:
+        pending -= engine.metric("l2_store_failed", snap)
+    return pending
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, quiet_s: float = 0.0) -> float:
+    """Seconds until condition() held (and kept holding for quiet_s); the timeout if never."""
+    t0 = time.monotonic()
+    since = None
+    while time.monotonic() - t0 < timeout_s:
+        if condition():
+            since = since or time.monotonic()
+            if time.monotonic() - since >= quiet_s:
+                return round(since - t0, 2)
+        else:
+            since = None
+        time.sleep(0.1)
+    return round(timeout_s, 2)
+
+
+def test_remote_store_counters_track_pending_writes(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    """The L2 store counters as a write-pending signal (submitted - completed objects): stores
+    the remote store holds up are in flight, exactly the chunks the suite stored; they drain to
+    0 once it resumes; stores it refuses leave the in-flight count (done, failed), their L1
+    copies still serve hits, and once it takes writes again they are stored; L1's usage gauge
+    holds the bytes of the chunks stored."""
+    engine.remote_wipe()
+    engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
+    block = engine.block_size()
+    chunk_bytes = engine.offload_block_bytes()
+    chunks = 8
+    names = engine.metric_names
+    l1_before = engine.metric("l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
+
+    engine.remote_pause_writes(PAUSE_S)
+    paused_until = time.monotonic() + PAUSE_S
+    engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
+    seen: list[float] = []
+    while time.monotonic() < paused_until - 0.5:
+        seen.append(pending_objects(engine))
+        if seen[-1] == chunks:
+            break
+        time.sleep(0.1)
+    verdict.equal(
+        "l2_pending_objects_while_remote_paused",
+        seen[-1] if seen else -1.0,
+        chunks,
+        "objects",
+        note=f"the store held every write for {PAUSE_S:.0f} s: all {chunks} chunks are in flight",
+    )
+    landed_after = wait_for(lambda: len(engine.remote_entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0)
+    verdict.record("remote_objects_landed_after_s", landed_after, "s")
+    verdict.equal("remote_objects_after_pause", len(engine.remote_entries()), chunks, "objects")
+    pending_before_refusals = pending_objects(engine)
+    verdict.equal("l2_pending_objects_after_pause", pending_before_refusals, 0, "objects")
+
+    refused_before = engine.remote_refused_writes()
+    refused = prompts.fresh(chunks * block + block // 3)
+    engine.remote_refuse_writes(True)
+    try:
+        cold = engine.serve_prompt(refused)
+        refused_after = wait_for(
+            lambda: engine.remote_refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
+        )
+    finally:
+        engine.remote_refuse_writes(False)
+    verdict.record("remote_refusals_after_s", refused_after, "s")
+    refused_total = engine.remote_refused_writes()
+    verdict.expect(
+        "remote_refused_writes",
+        refused_total - refused_before,
+        ">=",
+        1,
+        "writes",
+        note="counted by the store: the failed-store path must really have run",
+    )
+    wait_for(lambda: pending_objects(engine) <= pending_before_refusals, SETTLE_S, quiet_s=1.0)
+    verdict.equal(
+        "l2_pending_objects_after_failed_stores",
+        pending_objects(engine) - pending_before_refusals,
+        0,
+        "objects",
+        note="added by the refused stores: a store the remote tier refused is over (failed), not "
+        "in flight forever",
+    )
+    held_before_again = len(engine.remote_entries())
+    again = engine.serve_prompt(refused)
+    verdict.equal(
+        "hits_after_failed_stores",
+        again.cached_tokens,
+        prefix_hit_tokens(len(refused), len(refused), block, engine.recomputes_last_token),
+        "tokens",
+        note="a failed L2 store must leave the chunks' L1 copies serving",
+    )
+    verdict.equal("output_after_failed_stores_identical", int(again.output == cold.output), 1)
+    wait_for(lambda: len(engine.remote_entries()) >= held_before_again + chunks, SETTLE_S, quiet_s=1.0)
+    verdict.equal(
+        "remote_objects_after_refusals_end",
+        len(engine.remote_entries()) - held_before_again,
+        chunks,
+        "objects",
+        note="the store takes writes again: serving the refused prompt stores its chunks",
+    )
+    verdict.record(
+        "remote_refused_writes_after_refusals_end",
+        engine.remote_refused_writes() - refused_total,
+        "writes",
+        note="counted by the store: 0 means it refused nothing more",
+    )
+    if "l1_usage_bytes" in names:
+        verdict.equal(
+            "l1_usage_bytes_delta",
+            engine.metric("l1_usage_bytes", engine.metrics()) - l1_before,
+            2 * chunks * chunk_bytes,
+            "bytes",
+            note=f"{2 * chunks} chunks stored x {chunk_bytes} from the model",
+        )
+    engine.stop()  # the next check starts the stack again, whatever the refusals left behind
     verdict.conclude()
