@@ -4,7 +4,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-REAL_ENGINES ?= vllm lmcache sglang sglang-server dynamo omlx
+REAL_ENGINES ?= vllm vllm-lmcache lmcache sglang sglang-server dynamo omlx
 # Engines run in a session of their own. lmcache-redis was moved out when two LMCache stacks in
 # one session seemed to disturb each other; both symptoms had other causes since found (LMCache's
 # 1 Hz eviction loop; a client signalled before its finalizers unlinked its segments), but the

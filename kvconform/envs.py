@@ -158,18 +158,22 @@ def load_spec(name: str) -> EnvSpec:
 
 def specs_to_build(name: str) -> list[str]:
     """What `kvconform env build NAME` builds: NAME's spec, or the spec of the engine named NAME
-    (lmcache-redis runs in lmcache's environment); where NVML sees a GPU, its GPU spec too (the
-    session picks that one; the CPU one still checks command lines against the engine's parser)."""
-    known = known_specs()
-    spec = name
-    if name not in known:
-        from kvconform import registry
+    (lmcache-redis runs in lmcache's environment) and those of the other processes of its stack
+    (`stack_env_specs`: vllm-lmcache's LMCache server); where NVML sees a GPU, its GPU spec too
+    (the session picks that one; the CPU one still checks command lines against the engine's
+    parser)."""
+    from kvconform import registry
 
-        if name in registry.names():
-            spec = getattr(registry.adapter_class(name), "env_spec", None) or ""
+    known = known_specs()
+    spec, stack = name, []
+    if name in registry.names():
+        adapter = registry.adapter_class(name)
+        stack = list(adapter.stack_env_specs)
+        if name not in known:
+            spec = getattr(adapter, "env_spec", None) or ""
             if not spec:
                 return []  # runs in the suite's own environment (the reference engine)
-    found = [spec]
+    found = [spec, *stack]
     from kvconform.memory import nvml
 
     gpu = gpu_spec_for(spec) if spec in known and nvml().available else None

@@ -17,6 +17,7 @@ ENTRY_POINT_GROUP = "kvconform.adapters"
 BUILTIN: dict[str, str] = {
     "reference": "kvconform.adapters.reference.adapter:ReferenceAdapter",
     "vllm": "kvconform.adapters.vllm.adapter:VllmAdapter",
+    "vllm-lmcache": "kvconform.adapters.vllm_lmcache.adapter:VllmLmcacheAdapter",
     "lmcache": "kvconform.adapters.lmcache.adapter:LmcacheAdapter",
     "lmcache-redis": "kvconform.adapters.lmcache.adapter:LmcacheRedisAdapter",
     "sglang": "kvconform.adapters.sglang.adapter:SglangAdapter",

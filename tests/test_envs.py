@@ -149,5 +149,6 @@ def test_specs_are_found_in_the_adapters_and_in_extra_folders(tmp_path: Path, mo
 
 def test_env_build_takes_engine_names() -> None:
     assert envs.specs_to_build("lmcache-redis") == ["lmcache"], "the Redis tier runs in lmcache's env"
+    assert envs.specs_to_build("vllm-lmcache") == ["vllm-lmcache", "lmcache"], "its LMCache server's env too"
     assert envs.specs_to_build("reference") == [], "the reference engine runs in the suite's own"
     assert envs.specs_to_build("dynamo-1.6.0") == ["dynamo-1.6.0"], "a spec name stands for itself"

@@ -74,6 +74,8 @@ class EngineAdapter(ABC):
     eviction_period_s: ClassVar[float] = 0.0
     # Environment spec, in the adapter package's envs/ (None: runs in the suite's own environment).
     env_spec: ClassVar[str | None] = None
+    # Specs of the other processes of the engine's stack, built with it (`kvconform env build`).
+    stack_env_specs: ClassVar[tuple[str, ...]] = ()
     # pytest option dests this adapter reads (added by its own pytest plugin), in ctx.options.
     pytest_options: ClassVar[tuple[str, ...]] = ()
 

