@@ -15,6 +15,7 @@ worker's registration is never answered.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, ClassVar
 
 from kvconform import envs
@@ -29,6 +30,7 @@ from kvconform.processes import TeardownReport, free_port
 
 C = Capability
 L1_GB = 0.05  # the server's L1, as the lmcache adapter's
+REGISTER_TIMEOUT_S = 10.0  # after /health answers, vLLM's worker has registered (measured ~1 s)
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1"}
 
 
@@ -135,6 +137,21 @@ class VllmLmcacheAdapter(VllmAdapter):
         self._ensure_lmcache()
         super().start(config.with_(persistent=False))
         self.config = config
+        self._wait_registered()
+
+    def _wait_registered(self, timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+        """A healthy vLLM has registered its KV with the server (so the churn measure of
+        registered instances can be non-zero); an error naming the server's log if not."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.registered_instances():
+                return
+            time.sleep(0.2)
+        raise EngineError(
+            self.name,
+            f"vLLM is serving but never registered with the LMCache server ({timeout_s:.0f} s)",
+            self.log_tail(),
+        )
 
     def close(self) -> None:
         super().close()
@@ -165,7 +182,20 @@ class VllmLmcacheAdapter(VllmAdapter):
         sample = sample_processes(self.lmcache.pids() if self.lmcache else [])
         measures["server_shm_mapped_bytes"] = MemoryMeasure(sample.shm_bytes, exact=True)
         measures["server_rss_bytes"] = MemoryMeasure(sample.rss, exact=False)
+        measures["server_registered_instances"] = MemoryMeasure(
+            len(self.registered_instances()), True, "instances"
+        )
         return measures
+
+    def registered_instances(self) -> list[Any]:
+        """The KV instances the LMCache server holds registered (GET /status): a vLLM that
+        exited must have left it, through unregister or the server's stale-instance reaper."""
+        if self.lmcache is None:
+            return []
+        answer = self.http.get(f"{self.lmcache_http}/status", timeout=self.ctx.request_timeout_s).json()
+        if not _has_registry(answer):
+            raise EngineError(self.name, f"LMCache GET /status lists none of {REGISTERED_KEYS}: {answer}")
+        return sorted(_registered_ids(answer))
 
     def log_tail(self, lines: int = 40) -> str:
         tail = super().log_tail(lines)
@@ -178,3 +208,28 @@ class VllmLmcacheAdapter(VllmAdapter):
         if self.lmcache is not None:
             logs["lmcache server"] = self.lmcache.log_tail(80)
         return logs
+
+
+# Where GET /status lists instances: CUDA-IPC contexts (modules/lmcache_driven_transfer.py) and,
+# on CPU, engine-driven ones (modules/engine_driven_transfer.py), each under its module's key.
+REGISTERED_KEYS = ("registered_gpu_ids", "registered_non_cuda_instance_ids")
+
+
+def _registered_ids(status: Any) -> set[Any]:
+    found: set[Any] = set()
+    if isinstance(status, dict):
+        for key, value in status.items():
+            if key in REGISTERED_KEYS and isinstance(value, list):
+                found.update(value)
+            else:
+                found |= _registered_ids(value)
+    elif isinstance(status, list):
+        for value in status:
+            found |= _registered_ids(value)
+    return found
+
+
+def _has_registry(status: Any) -> bool:
+    if isinstance(status, dict):
+        return any(k in REGISTERED_KEYS or _has_registry(v) for k, v in status.items())
+    return isinstance(status, list) and any(_has_registry(v) for v in status)
