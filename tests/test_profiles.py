@@ -9,15 +9,25 @@ from pathlib import Path
 import pytest
 
 from kvconform import envs
+from kvconform.adapters.lmcache.adapter import LmcacheAdapter
 from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
+from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.adapters.vllm.adapter import VllmAdapter
-from kvconform.contract.types import AdapterContext, LaunchProfile
+from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import UsageError
 from kvconform.plugin.session import load_profiles
 
 ADAPTERS = Path(__file__).resolve().parents[1] / "kvconform" / "adapters"
 SHIPPED = sorted(ADAPTERS.glob("*/profiles/*.toml"))
-CLASSES = {"vllm": VllmAdapter, "sglang-server": SglangServerAdapter}
+CLASSES = {
+    "vllm": VllmAdapter,
+    "sglang-server": SglangServerAdapter,
+    "lmcache": LmcacheAdapter,
+    "trtllm": TrtllmAdapter,
+}
+# Engines whose parser exists only in their GPU environment (its module loads CUDA libraries):
+# checked at preflight on a GPU runner, skipped here with the reason.
+GPU_ONLY_PARSERS = {"trtllm": "trtllm-serve's parser imports tensorrt_llm, which loads CUDA libraries"}
 
 
 def adapter_for(profile: LaunchProfile, tmp_path: Path):
@@ -26,6 +36,11 @@ def adapter_for(profile: LaunchProfile, tmp_path: Path):
 
 
 def parser_env(profile: LaunchProfile) -> envs.BuiltEnv:
+    if profile.engine in GPU_ONLY_PARSERS:
+        try:
+            return envs.find(str(profile.env))
+        except UsageError:
+            pytest.skip(f"{GPU_ONLY_PARSERS[str(profile.engine)]}: checked at preflight on a GPU runner")
     name = envs.load_spec(profile.env or str(CLASSES[str(profile.engine)].env_spec)).parser_env
     try:
         return envs.find(name)
@@ -33,9 +48,9 @@ def parser_env(profile: LaunchProfile) -> envs.BuiltEnv:
         pytest.skip(f"CPU env {name} not built, the parser check needs it: {exc}")
 
 
-def test_profiles_are_shipped_for_vllm_and_sglang_server():
+def test_a_profile_is_shipped_for_every_engine_that_takes_one():
     engines = {LaunchProfile.load(p).engine for p in SHIPPED}
-    assert {"vllm", "sglang-server"} <= engines
+    assert set(CLASSES) <= engines
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
@@ -128,3 +143,50 @@ def test_profile_option_values(tmp_path: Path):
     assert set(load_profiles([f"lmcache={anyone}"], ["vllm", "lmcache"])) == {"lmcache"}
     with pytest.raises(pytest.UsageError, match="for engine 'vllm'"):
         load_profiles([f"lmcache={vllm}"], ["lmcache"])
+
+
+def test_lmcache_unknown_flag_fails_with_its_name(tmp_path: Path):
+    profile = LaunchProfile.from_dict(
+        {"engine": "lmcache", "env": "lmcache-cuda", "model": "m", "extra_args": ["--no-such-l1-flag", "1"]},
+        tmp_path / "bad.toml",
+    )
+    parser_env(profile)
+    with pytest.raises(UsageError, match="--no-such-l1-flag"):
+        adapter_for(profile, tmp_path).check_command_line()
+
+
+def test_lmcache_argv_and_client_layout_from_profile(tmp_path: Path):
+    profile = LaunchProfile.load(ADAPTERS / "lmcache" / "profiles" / "h100-llama-8b-cuda-ipc.toml")
+    adapter = LmcacheAdapter(AdapterContext(workdir=tmp_path, profile=profile))
+    plain, persistent = adapter.command_argvs()
+    joined = " ".join(plain)
+    assert plain[0] == "server" and "--chunk-size 256" in joined and "--l1-size-gb 16" in joined
+    assert plain[-6:] == list(profile.extra_args) and "--l2-adapter" in persistent
+    assert adapter.l1_capacity_bytes() == 16 * 2**30
+    assert adapter.register_args() == {
+        "num_layers": 32,
+        "num_heads": 8,
+        "head_size": 128,
+        "dtype": "float16",
+        "model_name": "llama-8b",
+    }
+    assert adapter.offload_block_bytes() == 2 * 32 * 8 * 128 * 2 * 256, "oracles use the profile's shape"
+
+
+def test_trtllm_argv_and_options_from_profile(tmp_path: Path):
+    profile = LaunchProfile.load(ADAPTERS / "trtllm" / "profiles" / "h100-llama-8b.toml")
+    adapter = TrtllmAdapter(AdapterContext(workdir=tmp_path, profile=profile))
+    argv = adapter.serve_args(8000, tmp_path / "o.yaml")
+    joined = " ".join(argv)
+    assert argv[0] == "meta-llama/Llama-3.1-8B-Instruct" and "--max_seq_len 8192" in joined
+    assert argv[-4:] == list(profile.extra_args) and "--tp_size" not in argv
+    kv = adapter.llm_api_options(EngineConfig())["kv_cache_config"]
+    assert kv["tokens_per_block"] == 32 and kv["free_gpu_memory_fraction"] == 0.8
+    two = LaunchProfile.from_dict(
+        {"engine": "trtllm", "model": "m", "tensor_parallel_size": 2, "kv_cache_bytes": 2**30}
+    )
+    adapter = TrtllmAdapter(AdapterContext(workdir=tmp_path, profile=two))
+    assert "--tp_size 2" in " ".join(adapter.serve_args(8000, tmp_path / "o.yaml"))
+    assert adapter.llm_api_options(EngineConfig())["kv_cache_config"]["max_tokens"] == 2**30 // (
+        adapter.model.kv_bytes_per_token()
+    )

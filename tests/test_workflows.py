@@ -265,6 +265,7 @@ def test_nightly_covers_the_engines_and_gates_its_own_artifacts() -> None:
     engines = job["strategy"]["matrix"]["engine"]
     assert set(engines) == {
         "vllm",
+        "vllm-lmcache",
         "lmcache",
         "lmcache-redis",
         "sglang",
@@ -276,6 +277,10 @@ def test_nightly_covers_the_engines_and_gates_its_own_artifacts() -> None:
     }
     profiles = {i["engine"]: i["profile"] for i in job["strategy"]["matrix"]["include"]}
     assert all((ROOT / path).is_file() for path in profiles.values()), "every nightly profile ships"
+    shipped = {
+        p.parent.parent.name.replace("_", "-") for p in ROOT.glob("kvconform/adapters/*/profiles/*.toml")
+    }
+    assert shipped <= set(profiles), "each engine with a shipped profile runs it in the nightly"
     assert set(engines) <= set(ADAPTERS)
     steps = {s.get("name", s.get("uses")): s for s in job["steps"]}
     uploaded = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvconform import envs
 from kvconform.adapters.lmcache.redis_server import REDIS_MAXMEMORY, RedisServer, redis_binary
 from kvconform.contract import (
     AdapterContext,
@@ -26,6 +27,7 @@ from kvconform.contract import (
     ModelShape,
     ServedPrompt,
 )
+from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.server import LaunchedServer
@@ -46,6 +48,18 @@ SERVING_INSTANCE = 1
 SERVING_BLOCKS = 512  # 8192 tokens of 16-token blocks
 CHURN_BLOCKS = 256  # 4096 tokens: 4 MiB of KV per instance
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1"}
+# LMCache's own `lmcache server` parser, built as lmcache/cli/main.py builds it (run inside an
+# LMCache environment by envs.check_argvs): an unknown flag fails with its name.
+SERVER_PARSER_CODE = """
+def check(argv):
+    import argparse
+    from lmcache.cli.commands import register_commands
+
+    parser = argparse.ArgumentParser(prog="lmcache")
+    sub = parser.add_subparsers(dest="command")
+    register_commands(sub, list(argv))
+    parser.parse_args(argv)
+"""
 
 
 class LmcacheAdapter(EngineAdapter):
@@ -105,6 +119,15 @@ class LmcacheAdapter(EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.profile = ctx.profile or LaunchProfile()
+        if self.profile.engine not in (None, "lmcache", self.name):
+            raise UsageError(
+                f"launch profile {self.profile.name} is for {self.profile.engine}, not {self.name}"
+            )
+        if self.profile.model_shape is not None:
+            self.model = self.profile.model_shape
+        if self.profile.block_size is not None:
+            self.default_block_size = self.profile.block_size
         self.server: LaunchedServer | None = None
         self.client: DriverProcess | None = None
         self.churner: DriverProcess | None = None
@@ -126,11 +149,18 @@ class LmcacheAdapter(EngineAdapter):
         self.l2_dir().mkdir(parents=True, exist_ok=True)
         return {"type": "fs", "base_path": str(self.l2_dir())}
 
-    def start(self, config: EngineConfig) -> None:
+    def l1_gb(self) -> float:
+        """L1 (host memory) of the server: the profile's kv_cache_bytes, else the small default."""
+        if self.profile.kv_cache_bytes is not None:
+            return self.profile.kv_cache_bytes / 2**30
+        return L1_GB
+
+    def server_args(
+        self, config: EngineConfig, rpc_port: int, http_port: int, l2: dict[str, Any] | None
+    ) -> list[str]:
+        """`server ...`, the arguments after the program; a profile's extra_args last."""
         chunk = config.block_size or self.default_block_size
-        rpc_port, http_port = free_port(), free_port()
         argv = [
-            str(self.env().bin("lmcache")),
             "server",
             "--host",
             "127.0.0.1",
@@ -143,7 +173,7 @@ class LmcacheAdapter(EngineAdapter):
             "--chunk-size",
             str(chunk),
             "--l1-size-gb",
-            str(L1_GB),
+            f"{self.l1_gb():g}",
             "--eviction-policy",
             "LRU",
             "--worker-reap-timeout-seconds",
@@ -151,9 +181,62 @@ class LmcacheAdapter(EngineAdapter):
             "--worker-registration-grace-seconds",
             str(REAP_TIMEOUT_S),
         ]
-        l2 = self.l2_adapter_spec(config)
         if l2 is not None:
             argv += ["--l2-adapter", json.dumps(l2)]
+        return [*argv, *self.profile.extra_args]
+
+    def command_argvs(self) -> list[list[str]]:
+        """What launch mode would run (`server` first), default and persistent (the fs L2 at a
+        placeholder path), for the argument-parser check."""
+        fs = {"type": "fs", "base_path": "/placeholder/l2"}
+        return [
+            self.server_args(EngineConfig(), 5555, 8080, None),
+            self.server_args(EngineConfig(), 5555, 8080, fs),
+        ]
+
+    def preflight(self) -> None:
+        super().preflight()
+        if not self.attached and not self.profile.is_default:
+            self.check_command_line()
+
+    def check_command_line(self) -> None:
+        """A profile's command lines against LMCache's own `lmcache server` parser, in the launch
+        env if built, else in the CPU env of the same release (the spec's parser_env)."""
+        try:
+            env = self.env()
+        except UsageError:
+            spec = self.ctx.env_name or self.profile.env or str(self.env_spec)
+            env = envs.find(envs.load_spec(spec).parser_env)
+        argvs = self.command_argvs()
+        for argv, error in zip(
+            argvs, envs.check_argvs(env, SERVER_PARSER_CODE, argvs, LMCACHE_ENV), strict=True
+        ):
+            if error:
+                raise UsageError(
+                    f"launch profile {self.profile.name}: lmcache server ({env.version}) rejects its "
+                    f"command line: {error}\n  lmcache {' '.join(argv)}"
+                )
+
+    def register_args(self) -> dict[str, Any]:
+        """The KV layout our client registers: the profile's model shape (and name), else the tiny
+        default model's."""
+        shape = self.model
+        args: dict[str, Any] = {
+            "num_layers": shape.layers,
+            "num_heads": shape.kv_heads,
+            "head_size": shape.head_dim,
+            "dtype": {2: "float16", 4: "float32"}.get(shape.dtype_bytes, "float16"),
+        }
+        if self.profile.served_model_name:
+            args["model_name"] = self.profile.served_model_name
+        return args
+
+    def start(self, config: EngineConfig) -> None:
+        rpc_port, http_port = free_port(), free_port()
+        argv = [
+            str(self.env().bin("lmcache")),
+            *self.server_args(config, rpc_port, http_port, self.l2_adapter_spec(config)),
+        ]
         self.base_url = f"http://127.0.0.1:{http_port}"
         self.rpc_url = f"tcp://127.0.0.1:{rpc_port}"
         self.server = LaunchedServer(
@@ -162,13 +245,19 @@ class LmcacheAdapter(EngineAdapter):
             argv,
             self.ctx.workdir,
             self.url(self.health_path),
-            env=LMCACHE_ENV,
+            env={**LMCACHE_ENV, **self.profile.env_vars},
             timeout_s=self.ctx.start_timeout_s,
             session=self.http,
         )
         self.config = config
         self.client = self._client("lmcache-client")
-        self.client.call("register", instance_id=SERVING_INSTANCE, num_blocks=SERVING_BLOCKS, heartbeat_s=5.0)
+        self.client.call(
+            "register",
+            instance_id=SERVING_INSTANCE,
+            num_blocks=SERVING_BLOCKS,
+            heartbeat_s=5.0,
+            **self.register_args(),
+        )
 
     def ensure(self, config: EngineConfig | None = None) -> None:
         """Attached, the suite still needs its client: it speaks LMCache's RPC protocol, whose
@@ -250,10 +339,10 @@ class LmcacheAdapter(EngineAdapter):
         return self.server.pids() if self.server else []
 
     def kv_pool_bytes(self) -> int:
-        return int(L1_GB * 2**30)
+        return int(self.l1_gb() * 2**30)
 
     def l1_capacity_bytes(self) -> int:
-        return int(L1_GB * 2**30)
+        return int(self.l1_gb() * 2**30)
 
     def cache_capacity_tokens(self) -> int:
         return self.kv_pool_bytes() // self.model.kv_bytes_per_token()
@@ -293,7 +382,13 @@ class LmcacheAdapter(EngineAdapter):
         if path == "close":
             return self._close_cycle(instance_id, tokens)
         client = self._client(f"lmcache-churn-{path}") if path == "reaper" else self._churn_client()
-        client.call("register", instance_id=instance_id, num_blocks=CHURN_BLOCKS, heartbeat_s=2.0)
+        client.call(
+            "register",
+            instance_id=instance_id,
+            num_blocks=CHURN_BLOCKS,
+            heartbeat_s=2.0,
+            **self.register_args(),
+        )
         client.call("store", instance_id=instance_id, token_ids=tokens)
         client.call("retrieve", instance_id=instance_id, token_ids=tokens)
         if path == "unregister":
@@ -337,7 +432,13 @@ class LmcacheAdapter(EngineAdapter):
 
     def _close_cycle(self, instance_id: int, tokens: list[int]) -> dict[str, Any]:
         client = self._churn_client()
-        client.call("register", instance_id=instance_id, num_blocks=CHURN_BLOCKS, heartbeat_s=0.0)
+        client.call(
+            "register",
+            instance_id=instance_id,
+            num_blocks=CHURN_BLOCKS,
+            heartbeat_s=0.0,
+            **self.register_args(),
+        )
         client.call("store", instance_id=instance_id, token_ids=tokens)
         config = self.config or EngineConfig()
         assert self.server is not None
@@ -363,7 +464,7 @@ class LmcacheAdapter(EngineAdapter):
             )
         engine_id = f"churn-{index}"
         self.inproc.call(
-            "create", engine_id=engine_id, chunk_size=self.block_size(), max_local_cpu_size_gb=L1_GB
+            "create", engine_id=engine_id, chunk_size=self.block_size(), max_local_cpu_size_gb=self.l1_gb()
         )
         self.inproc.call("store", engine_id=engine_id, token_ids=tokens)
         got = self.inproc.call("retrieve", engine_id=engine_id, token_ids=tokens)
@@ -392,7 +493,13 @@ class LmcacheAdapter(EngineAdapter):
     def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
         client = self._churn_client()
         instance_id = self._next_instance_id()
-        client.call("register", instance_id=instance_id, num_blocks=CHURN_BLOCKS, heartbeat_s=0.0)
+        client.call(
+            "register",
+            instance_id=instance_id,
+            num_blocks=CHURN_BLOCKS,
+            heartbeat_s=0.0,
+            **self.register_args(),
+        )
         client.call("store", instance_id=instance_id, token_ids=tokens)
         first = client.call("unregister", instance_id=instance_id)
         second = client.call("unregister", instance_id=instance_id)

@@ -66,6 +66,7 @@ from kvconform.contract import (
     EngineConfig,
     ServedPrompt,
 )
+from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, KvconformError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
 from kvconform.kit.server import LaunchedServer
@@ -74,6 +75,15 @@ from kvconform.processes import TeardownReport, free_port
 
 C = Capability
 DEFAULT_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+# trtllm-serve's click command (tensorrt_llm/commands/serve.py `serve`), parsed without running
+# it (run inside the TensorRT-LLM environment by envs.check_argv): an unknown option fails with
+# its name (click.NoSuchOption).
+SERVE_PARSER_CODE = """
+def check(argv):
+    from tensorrt_llm.commands.serve import serve
+
+    serve.make_context("trtllm-serve", list(argv))
+"""
 MEDIUM_BY_CACHE_LEVEL = {0: "device", 1: "host"}  # kPrimaryLevel, kSecondaryLevel
 HOST_CACHE_BYTES = 2 * 2**30
 PERF_METRICS_MAX_REQUESTS = 4096  # > 0, or the server keeps no /perf_metrics records
@@ -391,6 +401,13 @@ class TrtllmAdapter(EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.profile = ctx.profile or LaunchProfile()
+        if self.profile.engine not in (None, self.name):
+            raise UsageError(f"launch profile {self.profile.name} is for {self.profile.engine}, not trtllm")
+        if self.profile.model_shape is not None:
+            self.model = self.profile.model_shape
+        if self.profile.block_size is not None:
+            self.default_block_size = self.profile.block_size
         self.server: LaunchedServer | None = None
         self.consumer: DrainingConsumer | None = None
         self._served_model: str | None = None
@@ -512,11 +529,16 @@ class TrtllmAdapter(EngineAdapter):
     def llm_api_options(self, config: EngineConfig) -> dict[str, Any]:
         """The --extra_llm_api_options file (YAML; JSON is YAML). Names from
         tensorrt_llm/llmapi/llm_args.py (KvCacheConfig, TorchLlmArgs)."""
+        profile = self.profile
         kv: dict[str, Any] = {
             "enable_block_reuse": True,
-            "free_gpu_memory_fraction": 0.5,
+            "free_gpu_memory_fraction": profile.gpu_memory_fraction or 0.5,
             "event_buffer_max_size": 16384,
         }
+        if profile.block_size is not None:
+            kv["tokens_per_block"] = profile.block_size
+        if profile.kv_cache_bytes is not None:  # KvCacheConfig.max_tokens bounds the pool in tokens
+            kv["max_tokens"] = profile.kv_cache_bytes // self.model.kv_bytes_per_token()
         if config.offload:
             kv["host_cache_size"] = HOST_CACHE_BYTES
         return {
@@ -527,9 +549,14 @@ class TrtllmAdapter(EngineAdapter):
         }
 
     def server_argv(self, config: EngineConfig, port: int, options_path: Path) -> list[str]:
-        model = os.environ.get("KVCONFORM_TRTLLM_MODEL", DEFAULT_MODEL)
-        return [
-            str(self.env().bin("trtllm-serve")),
+        return [str(self.env().bin("trtllm-serve")), *self.serve_args(port, options_path)]
+
+    def serve_args(self, port: int, options_path: Path) -> list[str]:
+        """The arguments after `trtllm-serve`: the profile's model, parallelism and flags, else
+        KVCONFORM_TRTLLM_MODEL (or a small default model)."""
+        profile = self.profile
+        model = profile.model or os.environ.get("KVCONFORM_TRTLLM_MODEL", DEFAULT_MODEL)
+        argv = [
             model,
             "--host",
             "127.0.0.1",
@@ -538,10 +565,33 @@ class TrtllmAdapter(EngineAdapter):
             "--backend",
             "pytorch",
             "--max_seq_len",
-            "4096",
+            str(profile.max_model_len or 4096),
             "--extra_llm_api_options",
             str(options_path),
         ]
+        if profile.tensor_parallel_size > 1:
+            argv += ["--tp_size", str(profile.tensor_parallel_size)]
+        if profile.tokenizer:
+            argv += ["--tokenizer", profile.tokenizer]
+        return [*argv, *profile.extra_args]
+
+    def preflight(self) -> None:
+        super().preflight()
+        if not self.attached and not self.profile.is_default:
+            self.check_command_line()
+
+    def check_command_line(self) -> None:
+        """The profile's command line against trtllm-serve's own click parser, in the launch env.
+        Its module imports tensorrt_llm, which loads CUDA libraries: there is no CPU env to
+        check in, so this runs where the GPU env is built (preflight on a GPU runner)."""
+        env = self.env()
+        argv = self.serve_args(8000, Path("/placeholder/options.yaml"))
+        error = envs.check_argv(env, SERVE_PARSER_CODE, argv, self.profile.env_vars)
+        if error:
+            raise UsageError(
+                f"launch profile {self.profile.name}: trtllm-serve ({env.version}) rejects its "
+                f"command line: {error}\n  trtllm-serve {' '.join(argv)}"
+            )
 
     def start(self, config: EngineConfig) -> None:
         if config.persistent:
@@ -562,7 +612,7 @@ class TrtllmAdapter(EngineAdapter):
             self.server_argv(config, port, options),
             workdir,
             self.url("/health"),
-            env={"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")},
+            env={"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"), **self.profile.env_vars},
             timeout_s=self.ctx.start_timeout_s,
             session=self.http,
         )
