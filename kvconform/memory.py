@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from kvconform.errors import KvconformError
+from kvconform.errors import EngineError, KvconformError
 
 SHM_DIR = Path("/dev/shm")
 
@@ -201,3 +201,32 @@ def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gpu_reclaim_measures(
+    probe: NvmlProbe, pids: list[int], holds_cuda: bool, device_before: int | None, engine: str
+) -> dict[str, MemoryMeasure]:
+    """NVML measures of an engine's process tree, when NVML sees a GPU (else none):
+    `gpu_engine_process_bytes` (per-process used memory of `pids`, exact) and
+    `gpu_device_used_delta_bytes` (device-wide used now minus before the first start: context,
+    other tenants included, so not exact). An engine known to hold CUDA memory (`holds_cuda`:
+    a running CUDA build) that NVML attributes 0 bytes to is an EngineError, never a pass:
+    inside containers NVML reports host PIDs that differ from the container's.
+    UNVERIFIED on a GPU: unit-tested with NVML mocked."""
+    if not probe.available:
+        return {}
+    sample = probe.sample(pids)
+    if holds_cuda and pids and sample.process_used == 0:
+        raise EngineError(
+            engine,
+            f"NVML attributes 0 bytes of GPU memory to the engine's {len(pids)} processes "
+            f"({', '.join(map(str, pids[:8]))}) though it runs on CUDA (device used: "
+            f"{sample.device_used} bytes): PID namespaces differ (run with --pid=host) or NVML "
+            "cannot see per-process memory; the per-process measure would be a false pass",
+        )
+    measures = {"gpu_engine_process_bytes": MemoryMeasure(sample.process_used, exact=True)}
+    if device_before is not None:
+        measures["gpu_device_used_delta_bytes"] = MemoryMeasure(
+            sample.device_used - device_before, exact=False
+        )
+    return measures

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvconform import envs
-from kvconform.adapters.vllm.adapter import gpu_reclaim_measures
 from kvconform.errors import EngineError
-from kvconform.memory import GpuSample
+from kvconform.memory import GpuSample, gpu_reclaim_measures
 
 GPU_SPECS = {
     "vllm-cuda": "vllm",
@@ -99,3 +98,22 @@ def test_zero_bytes_from_a_cuda_engine_is_an_error_not_a_pass():
 
 def test_no_gpu_no_gpu_measures():
     assert gpu_reclaim_measures(SimpleNamespace(available=False), [1], True, None, "vllm") == {}
+
+
+def test_sglang_server_reports_its_tree_on_a_gpu(tmp_path, monkeypatch):
+    from kvconform.adapters.sglang_server import adapter as sglang_server
+    from kvconform.contract.types import AdapterContext
+
+    probe = FakeProbe(process_used=0, device_used=3 * 2**30)
+    monkeypatch.setattr(sglang_server, "nvml", lambda: probe)
+    engine = sglang_server.SglangServerAdapter(AdapterContext(workdir=tmp_path))
+    engine._gpu_before = 2**30
+    monkeypatch.setattr(engine, "engine_pids", lambda: [21, 22])
+    monkeypatch.setattr(engine, "running", lambda: True)
+    monkeypatch.setattr(engine, "env", lambda: SimpleNamespace(spec=SimpleNamespace(gpu=True)))
+    with pytest.raises(EngineError, match="0 bytes"):
+        engine.reclaim_probe()  # a running CUDA server NVML gives 0 bytes to: an error
+    probe.value = GpuSample(3 * 2**30, 80 * 2**30, 2 * 2**30)
+    measures = engine.reclaim_probe()
+    assert probe.asked == [21, 22] and measures["gpu_engine_process_bytes"].value == 2 * 2**30
+    assert measures["gpu_device_used_delta_bytes"].value == 2 * 2**30

@@ -74,6 +74,7 @@ from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import engine_side_script
 from kvconform.kit.server import LaunchedServer
+from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
 
@@ -159,6 +160,7 @@ class SglangServerAdapter(EngineAdapter):
         self._tmpdir: Path | None = None
         self._launches = 0
         self.profile = ctx.profile or LaunchProfile()
+        self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
         if self.profile.engine not in (None, self.name):
             raise UsageError(
                 f"launch profile {self.profile.name} is for {self.profile.engine}, not {self.name}"
@@ -201,6 +203,8 @@ class SglangServerAdapter(EngineAdapter):
         self._tmpdir = self.ctx.workdir / "sglang-tmp" / str(self._launches)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
         self._tmpdir.mkdir(parents=True)
+        if self._gpu_before is None and nvml().available:
+            self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
             self.server = LaunchedServer(
                 self.name,
@@ -478,6 +482,14 @@ class SglangServerAdapter(EngineAdapter):
 
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server is not None else []
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """On GPU runners, NVML: per-process GPU memory of the server's tree (exact; 0 bytes
+        from a running CUDA build is an error) and device-wide used memory against the one
+        before the first start. On CPU none: the long session is judged by RSS. UNVERIFIED on
+        a GPU (NVML mocked in tests/test_gpu_specs.py)."""
+        holds_cuda = self.running() and not self.attached and self.env().spec.gpu
+        return gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
 
     # ---- engine-internal structures: only the in-process adapter reaches them -------------
     def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
