@@ -495,8 +495,12 @@ class EngineAdapter(ABC):
         raise NotImplementedError
 
     def release_twice(self, tokens: list[int]) -> dict[str, Any]:
-        """Release one request's KV twice through the engine's own release path. Returns
-        {"second_refused": bool, "free_delta_on_second": int, "detail": str}."""
+        """Release one request's KV (a fresh prompt, nothing cached) twice through the engine's
+        own abort/failure release path. Returns {"first_freed_tokens": int (slots the first
+        release returned to the pool, in tokens), "second_outcome": "refused" (the guard said
+        no: a return value or an error the caller handles) | "ignored" (nothing done, nothing
+        said) | "crashed" (an assertion or the engine died: what ends a production scheduler) |
+        "ran_again", "free_delta_on_second": int (slots or blocks it freed), "detail": str}."""
         raise NotImplementedError
 
     # ---- engine-internal structures (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER)

@@ -252,12 +252,22 @@ class SglangAdapter(EngineAdapter):
         )
 
     def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+        """SGLang's release_kv_cache twice on the abort/failure path (checkpoint=False). An
+        AssertionError is a crash: raised in the scheduler's event loop it ends the server."""
         result = self.call("double_release", token_ids=tokens, checkpoint=False)
-        second = result["second"]
+        first, second = result["first"], result["second"]
+        raised = second.get("raised")
+        if raised == "AssertionError":
+            outcome = "crashed"
+        elif raised is not None:
+            outcome = "refused"
+        else:
+            outcome = "ran_again" if int(second["free_delta"]) else "ignored"
         return {
-            "second_refused": bool(result["guard_fired"]),
+            "first_freed_tokens": int(first["free_delta"]),
+            "second_outcome": outcome,
             "free_delta_on_second": int(second["free_delta"]),
-            "detail": str(second.get("message") or ""),
+            "detail": f"{raised or 'no error'}: {second.get('message') or ''}",
         }
 
     def log_tail(self, lines: int = 40) -> str:

@@ -288,11 +288,16 @@ class ReferenceEngine:
         (double_release_on_abort) the second release runs the same pool path again, from the
         request's own record: its blocks go back to the free list a second time and shared
         blocks lose a reference they no longer hold, as an unguarded allocator would do."""
+        if req.released and "release_guard_asserts" in self.faults:
+            raise AssertionError("request already released")
         if req.released and "double_release_on_abort" not in self.faults:
             self.counters.released_twice += 1
             return False
         fresh = set(req.new_blocks)
-        self.pool.discard([b for b in req.blocks if b in fresh])
+        dropped = [b for b in req.blocks if b in fresh]
+        if "abort_keeps_tail_block" in self.faults and not req.released:
+            dropped = dropped[:-1]  # the partial last block stays referenced
+        self.pool.discard(dropped)
         self.pool.release([b for b in req.blocks if b not in fresh])
         if not req.released:
             self.counters.aborted += 1

@@ -311,7 +311,23 @@ FAULTS: dict[str, Fault] = {
         "twice, shared blocks unreferenced twice)",
         ("transfer::test_release_guard_holds",),
         "SGLang disaggregated prefill: double release_kv_cache on a grammar error",
-        ("second_release_refused", "blocks_freed_by_second_release"),
+        ("blocks_freed_by_second_release",),
+    ),
+    "release_guard_asserts": Fault(
+        "the release guard is an assertion: a second release of an aborted request raises "
+        "AssertionError out of the release path",
+        ("transfer::test_release_guard_holds",),
+        "SGLang 0.5.23 mem_cache/common.py release_kv_cache: `assert tree_cache.supports_mamba()` "
+        "on a request that no longer holds KV (in the scheduler's loop, the process ends)",
+        ("second_release_crashed",),
+    ),
+    "abort_keeps_tail_block": Fault(
+        "the abort path returns every block of the request but its last one, which stays "
+        "referenced (leaked)",
+        ("transfer::test_release_guard_holds",),
+        "KV of aborted requests not fully returned: SGLang's over-allocated tail "
+        "(_release_overallocated_kv_indices) and vLLM/SGLang abort leaks",
+        ("first_release_freed_tokens",),
     ),
     "abort_leaks_blocks": Fault(
         "a request whose client disconnects mid-stream is never released: its blocks stay "

@@ -403,13 +403,27 @@ class Handler(BaseHTTPRequestHandler):
         """Test hook: release one request's KV twice through the abort path."""
         e = self.engine
         req, _sources = e.prefill(body["prompt"])
+        with e.lock:
+            free_at_start = len(e.pool.free)
         e.finish(req, abort=True)
         with e.lock:
             free_before = len(e.pool.free)
-        second = e.finish(req, abort=True)
+        detail = ""
+        try:
+            outcome = "ran_again" if e.finish(req, abort=True) else "refused"
+        except AssertionError as exc:
+            outcome, detail = "crashed", f"AssertionError: {exc}"
         with e.lock:
             free_delta = len(e.pool.free) - free_before
-        self._send(200, {"second_refused": not second, "free_delta_on_second": free_delta})
+        self._send(
+            200,
+            {
+                "first_freed_tokens": (free_before - free_at_start) * e.s.block_size,
+                "second_outcome": outcome,
+                "free_delta_on_second": free_delta,
+                "detail": detail,
+            },
+        )
 
     def _transfer_recv(self, body: dict[str, Any]) -> None:
         self.engine.receive(self.headers["x-transfer-id"], int(self.headers["x-replica"]), body["_raw"])
