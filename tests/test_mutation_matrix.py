@@ -67,14 +67,12 @@ REAL_ENGINE_MEASURES: dict[tuple[str, str], str] = {
 # Measures no fault moves yet, and why. Each is a defect to fix (a fault modelled on a real bug,
 # or deleting the measure where it cannot fail); the coverage test keeps this list honest.
 _PRECONDITION = "a precondition of the workload (it ran, it produced something): no fault breaks it yet"
-_TRACKER = "a status the block tracker answers; the double has no fault answering it wrongly yet"
 _LEDGER = (
     "no reference fault moves this ledger measure here (a real double release does not show in "
     "the abort check's ledger: that needs the resident-vs-engine comparison there)"
 )
 _NOFAULT = "no fault modelled on a real bug moves it yet"
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("memory_reclaim::test_second_release_is_harmless", "first_release_done"): _NOFAULT,
     (
         "offload_metrics::test_block_pool_stats_consistent",
         "iterations_cumulative_counter_decreased",
@@ -122,11 +120,6 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("transfer::test_abort_releases_kv_once", "seq_regress"): _LEDGER,
     ("transfer::test_event_ledger_consistent", "double_remove"): _LEDGER,
     ("transfer::test_event_ledger_consistent", "seq_regress"): _LEDGER,
-    ("transfer::test_block_tracker_ownership_and_drain", "active_blocks_with_shared_prefix"): _TRACKER,
-    ("transfer::test_block_tracker_ownership_and_drain", "add_unknown_worker_status"): _TRACKER,
-    ("transfer::test_block_tracker_ownership_and_drain", "duplicate_register_status"): _TRACKER,
-    ("transfer::test_block_tracker_ownership_and_drain", "prefill_complete_unknown_request_status"): _TRACKER,
-    ("transfer::test_block_tracker_ownership_and_drain", "unregister_unknown_worker_status"): _TRACKER,
 }
 
 

@@ -54,6 +54,39 @@ FAULTS: dict[str, Fault] = {
         "Dynamo #11644: duplicate request ids silently accepted",
         ("duplicate_add_status",),
     ),
+    "shared_prefix_counted_per_request": Fault(
+        "/loads counts each live request's blocks, so a prompt prefix two requests share is "
+        "counted twice",
+        _CHECK,
+        "router load from per-request block counts instead of the deduplicated prefix tree "
+        "(over-predicted load steers requests away from the worker holding the prefix)",
+        ("active_blocks_with_shared_prefix",),
+    ),
+    "register_overwrites_worker": Fault(
+        "a second register of a known worker answers 201 and replaces its record",
+        _CHECK,
+        "Dynamo #11644's class: duplicate identities silently accepted (here a worker's)",
+        ("duplicate_register_status",),
+    ),
+    "add_to_unknown_worker_dropped": Fault(
+        "add for an unknown worker answers 201 and tracks nothing",
+        _CHECK,
+        "a request accepted and silently untracked: its blocks never count toward any worker",
+        ("add_unknown_worker_status",),
+    ),
+    "prefill_complete_unknown_answers_200": Fault(
+        "prefill_complete of an unknown (or already freed) request answers 200",
+        _CHECK,
+        "the idempotent answer Dynamo 1.6.1's slot tracker gives a second free "
+        "(known-failures.toml), on the prefill_complete route",
+        ("prefill_complete_unknown_request_status",),
+    ),
+    "unregister_unknown_answers_200": Fault(
+        "unregister of an unknown worker answers 200",
+        _CHECK,
+        "an idempotent unregister that hides a caller unregistering the wrong worker",
+        ("unregister_unknown_worker_status",),
+    ),
 }
 
 
@@ -93,7 +126,7 @@ class BlockTracker:
 
     def register(self, body: dict[str, Any]) -> tuple[int, Any]:
         key = (body["model_name"], int(body["worker_id"]))
-        if key in self.workers:
+        if key in self.workers and self.fault != "register_overwrites_worker":
             return 409, {"error": f"worker {key[1]} already registered"}
         self.workers[key] = {
             "block_size": int(body["block_size"]),
@@ -105,6 +138,8 @@ class BlockTracker:
     def unregister(self, body: dict[str, Any]) -> tuple[int, Any]:
         key = (body["model_name"], int(body["worker_id"]))
         if key not in self.workers:
+            if self.fault == "unregister_unknown_answers_200":
+                return 200, {"worker_id": key[1]}
             return 404, {"error": f"unknown worker {key[1]}"}
         del self.workers[key]
         for rid, req in list(self.requests.items()):
@@ -116,6 +151,8 @@ class BlockTracker:
         model, rid = body["model_name"], str(body["request_id"])
         worker, dp_rank = int(body["worker_id"]), int(body.get("dp_rank", 0))
         if (model, worker) not in self.workers:
+            if self.fault == "add_to_unknown_worker_dropped":
+                return 201, {"request_id": rid}
             return 404, {"error": f"unknown worker {worker}"}
         spec = self.workers[(model, worker)]
         if not spec["dp_start"] <= dp_rank < spec["dp_start"] + spec["dp_size"]:
@@ -139,6 +176,8 @@ class BlockTracker:
         key = (body["model_name"], str(body["request_id"]))
         req = self.requests.get(key)
         if req is None:
+            if self.fault == "prefill_complete_unknown_answers_200":
+                return 200, {"request_id": key[1]}
             return 404, {"error": f"unknown request {key[1]}"}
         req["prefill_tokens"] = 0
         if self.fault == "prefill_complete_orphans_blocks":
@@ -177,6 +216,12 @@ class BlockTracker:
                 continue
             for dp_rank in range(spec["dp_start"], spec["dp_start"] + spec["dp_size"]):
                 blocks = sum(1 for (mm, w, dp, _p) in self.active if (mm, w, dp) == (m, worker, dp_rank))
+                if self.fault == "shared_prefix_counted_per_request":
+                    blocks = sum(
+                        len(r["hashes"])
+                        for (mm, _rid), r in self.requests.items()
+                        if mm == m and (r["worker"], r["dp_rank"]) == (worker, dp_rank)
+                    )
                 prefill = sum(
                     r["prefill_tokens"]
                     for (mm, _rid), r in self.requests.items()

@@ -171,6 +171,14 @@ FAULTS: dict[str, Fault] = {
         "LMCache MP server: an error in a release path leaves the server unanswering",
         ("second_release_refused_cleanly", "engine_healthy_after"),
     ),
+    "unregister_key_mismatch": Fault(
+        "unregister looks an instance up under another key than register stored it under, so "
+        "a live instance answers 'not registered' (404) and stays registered",
+        ("memory_reclaim::test_second_release_is_harmless",),
+        "instance ids compared across types or spellings (an int id registered, its string "
+        "unregistered): the release is refused and only a reaper, if any, frees the KV",
+        ("first_release_done",),
+    ),
     "session_growth": Fault(
         "each turn of a conversation keeps a private copy of its KV outside the block pool",
         ("memory_reclaim::test_long_session_bounded",),

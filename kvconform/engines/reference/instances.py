@@ -168,7 +168,8 @@ class InstanceRegistry:
     def unregister(self, instance_id: str) -> bool:
         """Release one instance; False (harmless) if it is not registered."""
         with self.lock:
-            imported = self.instances.pop(instance_id, None)
+            key = f"instance:{instance_id}" if "unregister_key_mismatch" in self.faults else instance_id
+            imported = self.instances.pop(key, None)
             if imported is None:
                 self.duplicate_unregisters += 1
                 if instance_id in self.released_ids and "double_unregister_crashes" in self.faults:
