@@ -61,13 +61,16 @@ def test_shipped_profile_parses_with_the_engine_parser(path: Path, tmp_path: Pat
     adapter_for(profile, tmp_path).check_command_line()
 
 
-def test_unknown_flag_fails_with_its_name(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("engine", "env", "flag"),
+    [("vllm", "vllm-cuda", "--no-such-kv-flag"), ("lmcache", "lmcache-cuda", "--no-such-l1-flag")],
+)
+def test_unknown_flag_fails_with_its_name(tmp_path: Path, engine: str, env: str, flag: str):
     profile = LaunchProfile.from_dict(
-        {"engine": "vllm", "env": "vllm-cuda", "model": "/m", "extra_args": ["--no-such-kv-flag", "1"]},
-        tmp_path / "bad.toml",
+        {"engine": engine, "env": env, "model": "/m", "extra_args": [flag, "1"]}, tmp_path / "bad.toml"
     )
     parser_env(profile)
-    with pytest.raises(UsageError, match="--no-such-kv-flag"):
+    with pytest.raises(UsageError, match=flag):
         adapter_for(profile, tmp_path).check_command_line()
 
 
@@ -145,16 +148,6 @@ def test_profile_option_values(tmp_path: Path):
         load_profiles([f"lmcache={vllm}"], ["lmcache"])
 
 
-def test_lmcache_unknown_flag_fails_with_its_name(tmp_path: Path):
-    profile = LaunchProfile.from_dict(
-        {"engine": "lmcache", "env": "lmcache-cuda", "model": "m", "extra_args": ["--no-such-l1-flag", "1"]},
-        tmp_path / "bad.toml",
-    )
-    parser_env(profile)
-    with pytest.raises(UsageError, match="--no-such-l1-flag"):
-        adapter_for(profile, tmp_path).check_command_line()
-
-
 def test_lmcache_argv_and_client_layout_from_profile(tmp_path: Path):
     profile = LaunchProfile.load(ADAPTERS / "lmcache" / "profiles" / "h100-llama-8b-cuda-ipc.toml")
     adapter = LmcacheAdapter(AdapterContext(workdir=tmp_path, profile=profile))
@@ -190,3 +183,15 @@ def test_trtllm_argv_and_options_from_profile(tmp_path: Path):
     assert adapter.llm_api_options(EngineConfig())["kv_cache_config"]["max_tokens"] == 2**30 // (
         adapter.model.kv_bytes_per_token()
     )
+
+
+def test_lmcache_refuses_a_kv_dtype_its_client_cannot_register(tmp_path: Path):
+    profile = LaunchProfile.from_dict(
+        {
+            "engine": "lmcache",
+            "model": "m",
+            "model_shape": {"layers": 2, "kv_heads": 2, "head_dim": 64, "dtype_bytes": 1},
+        }
+    )
+    with pytest.raises(UsageError, match="dtype_bytes 1"):
+        LmcacheAdapter(AdapterContext(workdir=tmp_path, profile=profile)).register_args()

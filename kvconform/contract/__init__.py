@@ -13,7 +13,7 @@ from kvconform.contract.types import (
     ServedPrompt,
     TransferResult,
 )
-from kvconform.polling import poll_until
+from kvconform.polling import poll_until, seconds_until_steady
 
 __all__ = [
     "AdapterContext",
@@ -25,4 +25,5 @@ __all__ = [
     "ServedPrompt",
     "TransferResult",
     "poll_until",
+    "seconds_until_steady",
 ]

@@ -25,6 +25,7 @@ from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
     EngineConfig,
+    LaunchProfile,
     ModelShape,
     ServedPrompt,
     TransferResult,
@@ -87,6 +88,19 @@ class EngineAdapter(ABC):
         self.ledger = EventLedger()
         self.subscriber: ZmqEventSubscriber | None = None
         self._env: BuiltEnv | None = None
+
+    def launch_profile(self, *engines: str) -> LaunchProfile:
+        """The context's launch profile (the default one without a file), refused unless it is
+        for this engine (or one of `engines`); its model shape and block size become the
+        adapter's, so the oracles compute from the deployment."""
+        profile = self.ctx.profile or LaunchProfile()
+        if profile.engine not in (None, self.name, *engines):
+            raise UsageError(f"launch profile {profile.name} is for {profile.engine}, not {self.name}")
+        if profile.model_shape is not None:
+            self.model = profile.model_shape
+        if profile.block_size is not None:
+            self.default_block_size = profile.block_size
+        return profile
 
     @property
     def http(self) -> requests.Session:

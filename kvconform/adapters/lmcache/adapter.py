@@ -27,7 +27,6 @@ from kvconform.contract import (
     ModelShape,
     ServedPrompt,
 )
-from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.server import LaunchedServer
@@ -44,6 +43,7 @@ C = Capability
 L1_EVICTION_PERIOD_S = 1.0
 L1_GB = 0.05  # small, so eviction is reachable and the server's RSS stays ~470 MB
 REAP_TIMEOUT_S = 30  # LMCache's minimum
+CLIENT_DTYPES = {2: "float16", 4: "float32"}  # KV dtype our client registers, by bytes per element
 SERVING_INSTANCE = 1
 SERVING_BLOCKS = 512  # 8192 tokens of 16-token blocks
 CHURN_BLOCKS = 256  # 4096 tokens: 4 MiB of KV per instance
@@ -119,15 +119,7 @@ class LmcacheAdapter(EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
-        self.profile = ctx.profile or LaunchProfile()
-        if self.profile.engine not in (None, "lmcache", self.name):
-            raise UsageError(
-                f"launch profile {self.profile.name} is for {self.profile.engine}, not {self.name}"
-            )
-        if self.profile.model_shape is not None:
-            self.model = self.profile.model_shape
-        if self.profile.block_size is not None:
-            self.default_block_size = self.profile.block_size
+        self.profile = self.launch_profile("lmcache")  # lmcache-redis takes lmcache's profiles
         self.server: LaunchedServer | None = None
         self.client: DriverProcess | None = None
         self.churner: DriverProcess | None = None
@@ -221,11 +213,16 @@ class LmcacheAdapter(EngineAdapter):
         """The KV layout our client registers: the profile's model shape (and name), else the tiny
         default model's."""
         shape = self.model
+        if shape.dtype_bytes not in CLIENT_DTYPES:
+            raise UsageError(
+                f"launch profile {self.profile.name}: [model_shape] dtype_bytes {shape.dtype_bytes} "
+                f"has no KV dtype our client registers (one of {sorted(CLIENT_DTYPES)})"
+            )
         args: dict[str, Any] = {
             "num_layers": shape.layers,
             "num_heads": shape.kv_heads,
             "head_size": shape.head_dim,
-            "dtype": {2: "float16", 4: "float32"}.get(shape.dtype_bytes, "float16"),
+            "dtype": CLIENT_DTYPES[shape.dtype_bytes],
         }
         if self.profile.served_model_name:
             args["model_name"] = self.profile.served_model_name
@@ -646,9 +643,13 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         self._redis().command("CONFIG", "SET", "maxmemory", value)
 
     def remote_refused_writes(self) -> int:
-        """Redis's own count of OOM replies (INFO errorstats: errorstat_OOM:count=N)."""
+        """Redis's own count of OOM replies (INFO errorstats: errorstat_OOM:count=N). Redis
+        lists an error type only once it has replied with one, so no line is a true 0; no
+        Errorstats section at all (Redis < 6.2) is an error."""
         info = self._redis().command("INFO", "errorstats")
         text = info.decode() if isinstance(info, bytes) else str(info)
+        if "# Errorstats" not in text:
+            raise EngineError(self.name, f"redis INFO errorstats has no Errorstats section: {text[:200]!r}")
         for line in text.splitlines():
             if line.startswith("errorstat_OOM:"):
                 return int(line.split("count=", 1)[1].split(",", 1)[0])

@@ -70,7 +70,6 @@ from kvconform.contract import (
     ModelShape,
     ServedPrompt,
 )
-from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import engine_side_script
 from kvconform.kit.server import LaunchedServer
@@ -159,16 +158,8 @@ class SglangServerAdapter(EngineAdapter):
         self._model_dir: Path | None = None
         self._tmpdir: Path | None = None
         self._launches = 0
-        self.profile = ctx.profile or LaunchProfile()
+        self.profile = self.launch_profile()
         self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
-        if self.profile.engine not in (None, self.name):
-            raise UsageError(
-                f"launch profile {self.profile.name} is for {self.profile.engine}, not {self.name}"
-            )
-        if self.profile.model_shape is not None:
-            self.model = self.profile.model_shape
-        if self.profile.block_size is not None:
-            self.default_block_size = self.profile.block_size
 
     def preflight(self) -> None:
         super().preflight()

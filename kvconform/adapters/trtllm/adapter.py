@@ -66,7 +66,6 @@ from kvconform.contract import (
     EngineConfig,
     ServedPrompt,
 )
-from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, KvconformError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
 from kvconform.kit.server import LaunchedServer
@@ -401,13 +400,7 @@ class TrtllmAdapter(EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
-        self.profile = ctx.profile or LaunchProfile()
-        if self.profile.engine not in (None, self.name):
-            raise UsageError(f"launch profile {self.profile.name} is for {self.profile.engine}, not trtllm")
-        if self.profile.model_shape is not None:
-            self.model = self.profile.model_shape
-        if self.profile.block_size is not None:
-            self.default_block_size = self.profile.block_size
+        self.profile = self.launch_profile()
         self.server: LaunchedServer | None = None
         self.consumer: DrainingConsumer | None = None
         self._served_model: str | None = None

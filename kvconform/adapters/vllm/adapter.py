@@ -112,13 +112,7 @@ class VllmAdapter(EngineAdapter):
         self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
         self._attached_block: int | None = None
         self._model_dir: Path | None = None
-        self.profile = ctx.profile or LaunchProfile()
-        if self.profile.engine not in (None, self.name):
-            raise UsageError(f"launch profile {self.profile.name} is for {self.profile.engine}, not vllm")
-        if self.profile.model_shape is not None:
-            self.model = self.profile.model_shape
-        if self.profile.block_size is not None:
-            self.default_block_size = self.profile.block_size
+        self.profile = self.launch_profile()
         self._gpu_before: int | None = None
         self._pool_blocks: int | None = None
         self._serving = False  # healthy and not being stopped: a CUDA build holds its KV now

@@ -193,9 +193,10 @@ class VllmLmcacheAdapter(VllmAdapter):
         if self.lmcache is None:
             return []
         answer = self.http.get(f"{self.lmcache_http}/status", timeout=self.ctx.request_timeout_s).json()
-        if not _has_registry(answer):
+        registries = _registries(answer)
+        if not registries:
             raise EngineError(self.name, f"LMCache GET /status lists none of {REGISTERED_KEYS}: {answer}")
-        return sorted(_registered_ids(answer))
+        return sorted({instance for ids in registries for instance in ids})
 
     def log_tail(self, lines: int = 40) -> str:
         tail = super().log_tail(lines)
@@ -215,21 +216,16 @@ class VllmLmcacheAdapter(VllmAdapter):
 REGISTERED_KEYS = ("registered_gpu_ids", "registered_non_cuda_instance_ids")
 
 
-def _registered_ids(status: Any) -> set[Any]:
-    found: set[Any] = set()
+def _registries(status: Any) -> list[list[Any]]:
+    """Every list under a REGISTERED_KEYS key, at any depth of the /status answer."""
     if isinstance(status, dict):
-        for key, value in status.items():
-            if key in REGISTERED_KEYS and isinstance(value, list):
-                found.update(value)
-            else:
-                found |= _registered_ids(value)
-    elif isinstance(status, list):
-        for value in status:
-            found |= _registered_ids(value)
-    return found
-
-
-def _has_registry(status: Any) -> bool:
-    if isinstance(status, dict):
-        return any(k in REGISTERED_KEYS or _has_registry(v) for k, v in status.items())
-    return isinstance(status, list) and any(_has_registry(v) for v in status)
+        return [
+            found
+            for key, value in status.items()
+            for found in (
+                [value] if key in REGISTERED_KEYS and isinstance(value, list) else _registries(value)
+            )
+        ]
+    if isinstance(status, list):
+        return [found for value in status for found in _registries(value)]
+    return []

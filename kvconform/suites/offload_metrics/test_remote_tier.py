@@ -16,12 +16,11 @@ remote_refused_writes() (the store's own count of writes it refused).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, seconds_until_steady
 from kvconform.errors import EngineError
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -184,21 +183,6 @@ def pending_objects(engine: EngineAdapter) -> float:
     return pending
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, quiet_s: float = 0.0) -> float:
-    """Seconds until condition() held (and kept holding for quiet_s); the timeout if never."""
-    t0 = time.monotonic()
-    since = None
-    while time.monotonic() - t0 < timeout_s:
-        if condition():
-            since = since or time.monotonic()
-            if time.monotonic() - since >= quiet_s:
-                return round(since - t0, 2)
-        else:
-            since = None
-        time.sleep(0.1)
-    return round(timeout_s, 2)
-
-
 def test_remote_store_counters_track_pending_writes(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
@@ -231,7 +215,9 @@ def test_remote_store_counters_track_pending_writes(
         "objects",
         note=f"the store held every write for {PAUSE_S:.0f} s: all {chunks} chunks are in flight",
     )
-    landed_after = wait_for(lambda: len(engine.remote_entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0)
+    landed_after = seconds_until_steady(
+        lambda: len(engine.remote_entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
+    )
     verdict.record("remote_objects_landed_after_s", landed_after, "s")
     verdict.equal("remote_objects_after_pause", len(engine.remote_entries()), chunks, "objects")
     pending_before_refusals = pending_objects(engine)
@@ -242,7 +228,7 @@ def test_remote_store_counters_track_pending_writes(
     engine.remote_refuse_writes(True)
     try:
         cold = engine.serve_prompt(refused)
-        refused_after = wait_for(
+        refused_after = seconds_until_steady(
             lambda: engine.remote_refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
         )
     finally:
@@ -257,7 +243,7 @@ def test_remote_store_counters_track_pending_writes(
         "writes",
         note="counted by the store: the failed-store path must really have run",
     )
-    wait_for(lambda: pending_objects(engine) <= pending_before_refusals, SETTLE_S, quiet_s=1.0)
+    seconds_until_steady(lambda: pending_objects(engine) <= pending_before_refusals, SETTLE_S, quiet_s=1.0)
     verdict.equal(
         "l2_pending_objects_after_failed_stores",
         pending_objects(engine) - pending_before_refusals,
@@ -276,7 +262,9 @@ def test_remote_store_counters_track_pending_writes(
         note="a failed L2 store must leave the chunks' L1 copies serving",
     )
     verdict.equal("output_after_failed_stores_identical", int(again.output == cold.output), 1)
-    wait_for(lambda: len(engine.remote_entries()) >= held_before_again + chunks, SETTLE_S, quiet_s=1.0)
+    seconds_until_steady(
+        lambda: len(engine.remote_entries()) >= held_before_again + chunks, SETTLE_S, quiet_s=1.0
+    )
     verdict.equal(
         "remote_objects_after_refusals_end",
         len(engine.remote_entries()) - held_before_again,
