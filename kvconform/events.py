@@ -120,18 +120,27 @@ class EventLedger:
         with self._lock:
             return list(self._events[mark:])
 
-    def judge(self) -> LedgerVerdict:
+    def judge(self, since: int = 0) -> LedgerVerdict:
+        """Judge the whole history (the resident set needs all of it), reporting only the
+        violations from the `since` mark on (a check's own events: one engine instance serves
+        several checks, and an earlier check's violation is that check's)."""
         with self._lock:
             undecodable = dict(self.undecodable)
             disorder = list(self.disorder)
+            history = list(self._events)
         if undecodable:
             shown = "; ".join(f"seq {seq}: {why}" for seq, why in sorted(undecodable.items())[:5])
             raise UndecodableEvents(
                 f"KV events: {len(undecodable)} batch(es) failed to decode (also from replay) and are "
                 f"missing from the ledger, so it cannot be judged: {shown}"
             )
-        verdict = judge(self.events())
+        verdict = judge(history)
         verdict.violations.extend(disorder)
+        if since:
+            recent = history[since:]
+            first = min((e.seq for e in recent), default=None)
+            verdict.events = len(recent)
+            verdict.violations = [v for v in verdict.violations if first is not None and v.seq >= first]
         return verdict
 
 

@@ -40,12 +40,23 @@ class Measure:
     tolerance: float = 0.0  # for the gate: change within this is noise
     note: str = ""
     inconclusive: bool = False  # a noisy estimate whose confidence band straddles the bound
+    # A precondition of the workload (it ran, it produced what the check judges), not a claim
+    # about the engine: unmet, the check could not judge and fails as such, never passes.
+    precondition: bool = False
 
     def describe(self) -> str:
         unit = f" {self.unit}" if self.unit else ""
         if self.op is None:
             return f"{self.name} = {_fmt(self.value)}{unit}"
-        mark = "INCONCLUSIVE" if self.inconclusive else "ok" if self.ok else "VIOLATED"
+        mark = (
+            "INCONCLUSIVE"
+            if self.inconclusive
+            else "ok"
+            if self.ok
+            else "PRECONDITION NOT MET"
+            if self.precondition
+            else "VIOLATED"
+        )
         text = f"{self.name} = {_fmt(self.value)}{unit}, expected {self.op} {_fmt(self.bound)}{unit} [{mark}]"
         return f"{text} ({self.note})" if self.note else text
 
@@ -112,6 +123,17 @@ class Verdict:
         )
         return ok
 
+    def require(
+        self, name: str, observed: float, op: str, bound: float, unit: str = "", note: str = ""
+    ) -> bool:
+        """A precondition of the check's workload (the failure path ran, entries were damaged,
+        the machine took its steps). Unmet, the check fails as 'could not judge': the measures
+        it would have judged are void, not passed. Not a measure of the engine, so the
+        mutation matrix does not count it."""
+        ok = self.expect(name, observed, op, bound, unit, note=note)
+        self.measures[-1].precondition = True
+        return ok
+
     def expect_banded(
         self,
         name: str,
@@ -167,16 +189,21 @@ class Verdict:
     def failures(self) -> list[Measure]:
         return [m for m in self.measures if m.ok is False]
 
+    @property
+    def unmet(self) -> list[Measure]:
+        return [m for m in self.measures if m.precondition and m.ok is False]
+
     def summary(self) -> str:
         return "\n".join(m.describe() for m in self.measures)
 
     def conclude(self, context: str = "") -> None:
         """Fail with every violated expectation; pass only if at least one was checked."""
         self.concluded = True
-        if not any(m.op is not None for m in self.measures):
+        if not any(m.op is not None and not m.precondition for m in self.measures):
             raise AssertionError(f"{self.check}: no expectation was checked (a check must be able to fail)")
         if self.failures:
-            head = f"[{self.engine}] {self.check}: " + "; ".join(m.describe() for m in self.failures)
+            judged = "could not judge (a precondition is not met): " if self.unmet else ""
+            head = f"[{self.engine}] {self.check}: {judged}" + "; ".join(m.describe() for m in self.failures)
             body = "\nall measurements:\n" + self.summary()
             if self.undecided:
                 body = "\n" + INCONCLUSIVE + " as well: " + ", ".join(m.name for m in self.undecided) + body

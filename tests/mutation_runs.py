@@ -25,8 +25,16 @@ def violated(record: dict) -> set[str]:
 
 
 def expected(record: dict) -> set[str]:
-    """Every measure the check compared with a bound (expect/equal), whatever the result."""
-    return {m["name"] for m in record.get("measures", []) if m.get("op") is not None}
+    """Every measure the check compared with a bound (expect/equal), whatever the result;
+    preconditions of the workload (Verdict.require) are not measures of the engine."""
+    return {
+        m["name"] for m in record.get("measures", []) if m.get("op") is not None and not m.get("precondition")
+    }
+
+
+def preconditions(record: dict) -> set[str]:
+    """The check's preconditions of its workload (Verdict.require)."""
+    return {m["name"] for m in record.get("measures", []) if m.get("precondition")}
 
 
 def base(check: str) -> str:

@@ -188,3 +188,20 @@ class LedgerMachine(RuleBasedStateMachine):
 
 LedgerMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestLedgerMachine = LedgerMachine.TestCase
+
+
+def test_judge_since_a_mark_reports_only_that_checks_violations() -> None:
+    """One engine instance serves several checks: an earlier check's double remove is that
+    check's, while the resident set still comes from the whole history."""
+    ledger = EventLedger()
+    ledger.extend([stored(0, "a", "b"), removed(1, "a"), removed(2, "a")])
+    mark = ledger.mark()
+    ledger.extend([removed(3, "b"), stored(4, "c")])
+    later = ledger.judge(since=mark)
+    assert later.violations == [] and later.events == 2
+    assert later.resident == {"device": {"c"}}
+    ledger.extend([removed(5, "b")])
+    assert ledger.judge(since=mark).counts() == {"double_remove": 1}
+    assert ledger.judge().counts() == {"double_remove": 2}
+    empty = EventLedger()
+    assert empty.judge(since=empty.mark()).violations == []

@@ -85,7 +85,7 @@ def test_missing_field_is_an_error(tmp_path: Path) -> None:
 
 def test_shipped_manifests_load() -> None:
     manifest = findings.load(None, engines=["vllm", "lmcache", "sglang", "dynamo"])
-    assert {f.engine for f in manifest.entries} == {"lmcache", "lmcache-redis", "sglang", "dynamo"}
+    assert {f.engine for f in manifest.entries} == {"vllm", "lmcache", "lmcache-redis", "sglang", "dynamo"}
     assert all(isinstance(f, Finding) and f.engine and f.version and f.check for f in manifest.entries)
     assert all(f.measures for f in manifest.entries), "every finding names the measures that fail"
     assert all(set(f.numbers) <= set(f.measure_names()) for f in manifest.entries)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvconform.contract import ModelShape
 from kvconform.oracles import KvLayout, page_indices, pages, prefix_hit_tokens, theil_sen, transfer_bytes
 
 
@@ -69,6 +70,10 @@ def test_transfer_bytes_by_layout(destinations: int) -> None:
         transfer_bytes(mla_state, 5, mla_page, 3, state, destinations)
         == (5 * mla_page + 3 * state) * destinations
     )
+    # Two state components of different sizes: each index counts its own component's size.
+    shape = ModelShape(layers=LAYERS, state_components=(4096, 1024))
+    assert shape.state_bytes(mla_state) == LAYERS * 4096 + LAYERS * 1024
+    assert shape.state_bytes(mla) == 0
     assert [layout.replica_factor(destinations) for layout in (mha, mla, mla_state)] == [
         1,
         destinations,

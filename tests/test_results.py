@@ -55,6 +55,24 @@ def test_conclude_passes_when_every_expectation_holds() -> None:
     verdict.conclude()
 
 
+def test_unmet_precondition_fails_as_could_not_judge() -> None:
+    v = Verdict("suite::check", "reference")
+    v.require("entries_damaged", 0, ">=", 1, note="the prompt must have been persisted")
+    v.equal("cached_tokens_from_damaged_entries", 0, 0, "tokens")
+    with pytest.raises(AssertionError) as err:
+        v.conclude()
+    assert "could not judge (a precondition is not met)" in str(err.value)
+    assert "entries_damaged = 0, expected >= 1 [PRECONDITION NOT MET]" in str(err.value)
+    assert [m.name for m in v.failures] == ["entries_damaged"]
+
+
+def test_a_precondition_alone_is_no_expectation() -> None:
+    v = Verdict("suite::check", "reference")
+    v.require("steps_checked", 60, ">=", 50)
+    with pytest.raises(AssertionError, match="no expectation was checked"):
+        v.conclude()
+
+
 def test_expect_edge_cases() -> None:
     verdict = Verdict("c", "e")
     assert not verdict.expect("nan", float("nan"), "<=", 1)

@@ -73,6 +73,9 @@ class EngineAdapter(ABC):
     # Period of the loop that evicts from a full cache, for engines that evict in the
     # background rather than when a store needs room (0: evicts on allocation).
     eviction_period_s: ClassVar[float] = 0.0
+    # The engine publishes its offload read gauge as max(usage - write, 0) itself: judging that
+    # identity would prove nothing, so the check records it instead.
+    read_gauge_is_usage_minus_write: ClassVar[bool] = False
     # Environment spec, in the adapter package's envs/ (None: runs in the suite's own environment).
     env_spec: ClassVar[str | None] = None
     # Specs of the other processes of the engine's stack, built with it (`kvconform env build`).

@@ -20,7 +20,10 @@ class ModelShape:
     dtype_bytes: int = 2  # bfloat16
     mla: bool = False  # MLA keeps one latent vector per token instead of K and V
     latent_dim: int = 576  # MLA: kv_lora_rank 512 + rope dim 64 (DeepSeek-V2/V3 shapes)
-    state_item_bytes: int = 4096  # per layer, for layouts with a per-request state
+    # Per-layer bytes of each per-request state component, for layouts with state. Two of
+    # different sizes, as a hybrid model has (SSM conv + temporal state, or a draft model's KV):
+    # an engine that multiplies summed counts by summed sizes (SGLang #40164) overstates them.
+    state_components: tuple[int, ...] = (4096, 1024)
 
     def kv_bytes_per_token(self) -> int:
         per_layer = self.kv_heads * self.head_dim * self.dtype_bytes
@@ -35,7 +38,8 @@ class ModelShape:
         )
 
     def state_bytes(self, layout: KvLayout) -> int:
-        return layout.state_bytes(self.layers, self.state_item_bytes)
+        """One request's state, one index per component."""
+        return sum(layout.state_bytes(self.layers, item) for item in self.state_components)
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,9 @@ class TransferResult:
     page_indices: list[int]
     bytes_sent: int  # what the sender counted
     bytes_received: int | None = None  # what the receiver counted (None: no receiver)
-    state_indices: int = 0
+    # State indices the engine itself recorded for the hand-off (None: it does not say).
+    # Recorded, not judged: the request's states are judged through the bytes they add.
+    state_indices: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
 
 

@@ -55,8 +55,7 @@ FAULTS: dict[str, Fault] = {
         ("duplicate_add_status",),
     ),
     "shared_prefix_counted_per_request": Fault(
-        "/loads counts each live request's blocks, so a prompt prefix two requests share is "
-        "counted twice",
+        "/loads counts each live request's blocks, so a prompt prefix two requests share is counted twice",
         _CHECK,
         "router load from per-request block counts instead of the deduplicated prefix tree "
         "(over-predicted load steers requests away from the worker holding the prefix)",

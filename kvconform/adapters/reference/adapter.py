@@ -433,7 +433,6 @@ class ReferenceAdapter(EngineAdapter):
             page_indices=result["page_indices"],
             bytes_sent=result["bytes_counted"],
             bytes_received=received.json()["bytes"] if received.status_code == 200 else 0,
-            state_indices=result["state_indices"],
             detail={"aborted": result["aborted"]},
         )
 
@@ -466,7 +465,16 @@ class ReferenceAdapter(EngineAdapter):
                 "destinations": 1,
             },
         )
-        return ServedPrompt(len(tokens), int(result["cached"]), [])
+        # prompt tokens as the decode instance accounts them, not as we sent them
+        received = self.http.get(f"{receiver}/transfer/received/{result['transfer_id']}", timeout=10)
+        if received.status_code != 200:
+            raise EngineError(
+                self.name,
+                f"decode instance has no record of transfer {result['transfer_id']} "
+                f"(GET /transfer/received -> {received.status_code})",
+                self.log_tail(),
+            )
+        return ServedPrompt(int(received.json()["prompt_tokens"]), int(result["cached"]), [])
 
     def release_twice(self, tokens: list[int]) -> dict[str, Any]:
         return self.post_json("/admin/release_twice", {"prompt": tokens})

@@ -33,7 +33,6 @@ DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's
 
 C = Capability
 CAPACITY_TOKENS = 4096
-STATE_COMPONENT_INDICES = 1
 
 INPROCESS_CAPABILITIES = frozenset(
     {
@@ -232,8 +231,9 @@ class SglangAdapter(EngineAdapter):
                 kv_indices=kv_indices,
                 page_size=page_size,
                 pool=pool,
-                state_indices=[[0] * STATE_COMPONENT_INDICES] if state else None,
-                state_item_lens=[[m.state_item_bytes] * m.layers] if state else None,
+                # one index per state component, components of different sizes (SGLang #40164)
+                state_indices=[[0] for _ in m.state_components] if state else None,
+                state_item_lens=[[item] * m.layers for item in m.state_components] if state else None,
                 is_mla=layout != "mha",
                 required_dst_info_num=destinations,
             )
@@ -244,7 +244,7 @@ class SglangAdapter(EngineAdapter):
             page_indices=result["page_indices"],
             bytes_sent=int(result["transfer_total_bytes"]),
             bytes_received=None,
-            state_indices=STATE_COMPONENT_INDICES if state else 0,
+            state_indices=int(result["num_state_indices_recorded"]),
             detail={
                 "replica_factor": result["replica_factor"],
                 "kv_item_lens_sum": result["kv_item_lens_sum"],

@@ -44,7 +44,7 @@ class EngineSettings:
     faults: frozenset[str] = frozenset()
     device: str = "cpu"
     latent_dim: int = 576  # MLA layouts: kv_lora_rank + rope dim
-    state_item_bytes: int = 4096  # per layer, layouts with a per-request state
+    state_components: tuple[int, ...] = (4096, 1024)  # per-layer bytes, layouts with a state
 
     @property
     def width(self) -> int:
@@ -114,6 +114,7 @@ class ReferenceEngine:
         self.iterations: list[dict[str, Any]] = []  # per-request pool stats (TRT-LLM-shaped)
         self.reused_blocks = 0
         self.missed_blocks = 0
+        self.loop_dead = False  # abort_kills_engine_loop: every request after an abort fails
 
     # ---- events -------------------------------------------------------------------------
     def _on_pool_event(self, kind: str, hashes: list[str], parent: str | None, _tokens: int) -> None:
@@ -168,6 +169,8 @@ class ReferenceEngine:
             sources["device"] = len(device) * bs
             if "queries_counted_on_miss_only" in self.faults:
                 self.counters.prefix_queries += len(tokens) - len(device) * bs
+            elif "queries_counted_on_hit_only" in self.faults:
+                self.counters.prefix_queries += len(tokens) if device else 0
             else:
                 self.counters.prefix_queries += len(tokens)
             position = len(device)
@@ -218,7 +221,13 @@ class ReferenceEngine:
             if "session_turn_leak" in self.faults and fresh:
                 self.session_copies.append(self.pool.kv[fresh].clone())  # this turn's new KV
             self._flush_events()
-            return req, {"cached": hits, **{k: v for k, v in sources.items() if v}}
+            reported = hits
+            if "usage_cached_from_lookup" in self.faults:
+                reported = matchable * bs  # the tokens looked up, hit or not
+            whole_hit = hits == matchable * bs < len(hashes) * bs and hashes[matchable] in self.pool.index
+            if "usage_ignores_last_token" in self.faults and whole_hit:
+                reported += bs  # the recomputed last block counted as a hit
+            return req, {"cached": reported, **{k: v for k, v in sources.items() if v}}
 
     def _record_iteration(self, reused: int, missed: int) -> None:
         """Pool stats as a scheduler iteration would report them, while the request holds
@@ -230,16 +239,23 @@ class ReferenceEngine:
         if "pool_stats_inconsistent" in self.faults:
             free = stats.free  # forgets cached-but-free blocks
         looked_up = self.reused_blocks + self.missed_blocks
+        rate = self.reused_blocks / looked_up if looked_up else 0.0
+        if "hit_rate_over_iteration" in self.faults:
+            rate = reused / (reused + missed) if reused + missed else 0.0  # this iteration only
+        published = (self.reused_blocks, self.missed_blocks)
+        if "pool_counters_per_iteration" in self.faults:
+            published = (reused, missed)  # this iteration's counts, still said to be running totals
+            rate = reused / (reused + missed) if reused + missed else 0.0
         self.iterations.append(
             {
                 "iter": len(self.iterations),
                 "maxNumBlocks": stats.total,
                 "freeNumBlocks": free,
                 "usedNumBlocks": stats.in_use,
-                "reusedBlocks": self.reused_blocks,
-                "missedBlocks": self.missed_blocks,
+                "reusedBlocks": published[0],
+                "missedBlocks": published[1],
                 "tokensPerBlock": self.s.block_size,
-                "cacheHitRate": self.reused_blocks / looked_up if looked_up else 0.0,
+                "cacheHitRate": rate,
             }
         )
 
@@ -297,7 +313,21 @@ class ReferenceEngine:
         dropped = [b for b in req.blocks if b in fresh]
         if "abort_keeps_tail_block" in self.faults and not req.released:
             dropped = dropped[:-1]  # the partial last block stays referenced
-        self.pool.discard(dropped)
+        if "abort_announces_uncached_blocks" in self.faults and not req.released:
+            uncached = [b for b in req.blocks if self.pool.blocks[b].hash is None]
+            for b in uncached:  # a removal per block held, cached or not
+                key = hashlib.sha256(f"uncached:{b}:{req.tokens}".encode()).hexdigest()[:32]
+                self._on_pool_event("removed", [key], None, 0)
+        if "abort_drop_announced_then_evicted" in self.faults:
+            for b in dropped:
+                block = self.pool.blocks[b]
+                if block.hash is not None:
+                    self.pool.index.pop(block.hash, None)
+                    self._on_pool_event("removed", [block.hash], None, 0)
+                block.ref = 0
+                self.pool.lru[b] = None  # hash kept: its eviction announces the removal again
+        else:
+            self.pool.discard(dropped)
         self.pool.release([b for b in req.blocks if b not in fresh])
         if not req.released:
             self.counters.aborted += 1
@@ -363,10 +393,10 @@ class ReferenceEngine:
         s = self.s
         if layout == "mha":
             page_bytes = s.layers * 2 * s.kv_heads * s.head_dim * 2 * page_size
-            return {"page_bytes": page_bytes, "state_bytes": 0, "copies": 1, "shards": destinations}
-        state = s.layers * s.state_item_bytes if layout == "mla_state" else 0
+            return {"page_bytes": page_bytes, "states": [], "copies": 1, "shards": destinations}
+        states = [s.layers * item for item in s.state_components] if layout == "mla_state" else []
         page_bytes = s.layers * s.latent_dim * 2 * page_size
-        return {"page_bytes": page_bytes, "state_bytes": state, "copies": destinations, "shards": 1}
+        return {"page_bytes": page_bytes, "states": states, "copies": destinations, "shards": 1}
 
     def page_payload(self, page: int, page_size: int, page_bytes: int) -> bytes:
         flat = self.pool.kv.view(-1, self.s.width)
@@ -375,13 +405,32 @@ class ReferenceEngine:
         return (rows * (page_bytes // max(len(rows), 1) + 1))[:page_bytes]
 
     # ---- transfer (decode side) -----------------------------------------------------------
-    def receive(self, transfer_id: str, replica: int, payload: bytes) -> None:
+    def receive(
+        self,
+        transfer_id: str,
+        replica: int,
+        payload: bytes,
+        state: bool = False,
+        page_size: int = 1,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """The decode side's own accounting of a hand-off: bytes it received, and the prompt
+        tokens it will serve (what the prefill side announced)."""
         with self.lock:
-            entry = self.received.setdefault(transfer_id, {"bytes": 0, "replicas": set(), "digest": {}})
-            entry["bytes"] += len(payload)
+            entry = self.received.setdefault(
+                transfer_id,
+                {"bytes": 0, "replicas": set(), "digest": {}, "pages": {}, "prompt_tokens": 0},
+            )
+            counted = 0 if state and "receiver_drops_state_bytes" in self.faults else len(payload)
+            entry["bytes"] += counted
             entry["replicas"].add(replica)
             entry["digest"][replica] = hashlib.sha256(payload).hexdigest()
-            self.counters.transfer_bytes_received += len(payload)
+            if not state:
+                entry["pages"][replica] = entry["pages"].get(replica, 0) + 1
+            entry["prompt_tokens"] = prompt_tokens
+            if "disagg_prompt_tokens_from_pages" in self.faults:
+                entry["prompt_tokens"] = max(entry["pages"].values(), default=0) * page_size
+            self.counters.transfer_bytes_received += counted
 
     def close(self) -> None:
         self.instances.close()

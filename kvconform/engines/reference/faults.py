@@ -39,9 +39,15 @@ class Fault:
 FAULTS: dict[str, Fault] = {
     "hit_counter_drift": Fault(
         "the prefix-hit counter counts matched tokens before the last-token rule is applied",
-        ("prefix_reuse::test_repeated_prompt_served_from_cache",),
+        (
+            "prefix_reuse::test_repeated_prompt_served_from_cache",
+            "prefix_reuse::test_evicted_prefix_not_reported_as_hit",
+        ),
         "counters and per-request usage computed on different paths (vLLM stats vs usage)",
-        ("prefix_hits_counter_delta",),
+        (
+            "prefix_reuse::test_repeated_prompt_served_from_cache:prefix_hits_counter_delta",
+            "prefix_reuse::test_evicted_prefix_not_reported_as_hit:hit_tokens_counter_delta",
+        ),
     ),
     "reset_keeps_prefix": Fault(
         "reset_prefix_cache answers 200 but leaves the hash index in place",
@@ -52,12 +58,18 @@ FAULTS: dict[str, Fault] = {
     "granularity_loss": Fault(
         "prefix lookup is all-or-nothing over the prompt's full blocks: a prefix shared up to a "
         "partial block hits 0",
-        ("prefix_reuse::test_partial_block_prefix_hits_match_oracle*", "prefix_reuse::test_block_size_sweep"),
+        (
+            "prefix_reuse::test_partial_block_prefix_hits_match_oracle*",
+            "prefix_reuse::test_block_size_sweep",
+            "prefix_reuse::test_router_prediction_matches_worker",
+        ),
         "vllm-ascend #12589 / oMLX #3443: 0 % hits when the shared prefix is not block-aligned",
         (
             "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:cached_tokens_in_response",
             "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:prefix_hits_counter_delta",
             "prefix_reuse::test_block_size_sweep:points_off_oracle",
+            "prefix_reuse::test_router_prediction_matches_worker:mispredicted_requests",
+            "prefix_reuse::test_router_prediction_matches_worker:served_cached_off_oracle",
         ),
     ),
     "disk_index_lost": Fault(
@@ -215,8 +227,7 @@ FAULTS: dict[str, Fault] = {
         ("drain_time", "usage_at_idle", "read_at_idle"),
     ),
     "write_gauge_own_counter": Fault(
-        "the write gauge has a counter of its own, which a completed store does not decrement "
-        "(usage's does)",
+        "the write gauge has a counter of its own, which a completed store does not decrement (usage's does)",
         (
             "offload_metrics::test_gauges_consistent_under_load",
             "offload_metrics::test_gauges_drain_after_load",
@@ -229,8 +240,7 @@ FAULTS: dict[str, Fault] = {
         ),
     ),
     "offload_counters_drained_on_scrape": Fault(
-        "the offload byte counters are per-scrape deltas: each scrape reads what moved since the "
-        "last one",
+        "the offload byte counters are per-scrape deltas: each scrape reads what moved since the last one",
         ("offload_metrics::test_offload_byte_counters_match_blocks",),
         "TensorRT-LLM's drained /metrics (per-iteration values read once), exposed as counters",
         (
@@ -317,9 +327,12 @@ FAULTS: dict[str, Fault] = {
         "an aborted request's KV is released by the error path and again by the normal path, "
         "with no guard: the second release runs the pool's own release again (blocks freed "
         "twice, shared blocks unreferenced twice)",
-        ("transfer::test_release_guard_holds",),
+        ("transfer::test_release_guard_holds", "transfer::test_abort_releases_kv_once"),
         "SGLang disaggregated prefill: double release_kv_cache on a grammar error",
-        ("blocks_freed_by_second_release",),
+        (
+            "transfer::test_release_guard_holds:blocks_freed_by_second_release",
+            "transfer::test_abort_releases_kv_once:resident_blocks_ledger_vs_engine",
+        ),
     ),
     "release_guard_asserts": Fault(
         "the release guard is an assertion: a second release of an aborted request raises "
@@ -330,8 +343,7 @@ FAULTS: dict[str, Fault] = {
         ("second_release_crashed",),
     ),
     "abort_keeps_tail_block": Fault(
-        "the abort path returns every block of the request but its last one, which stays "
-        "referenced (leaked)",
+        "the abort path returns every block of the request but its last one, which stays referenced (leaked)",
         ("transfer::test_release_guard_holds",),
         "KV of aborted requests not fully returned: SGLang's over-allocated tail "
         "(_release_overallocated_kv_indices) and vLLM/SGLang abort leaks",
@@ -343,11 +355,137 @@ FAULTS: dict[str, Fault] = {
         ("transfer::test_abort_releases_kv_once",),
         "vLLM/SGLang: KV blocks of requests aborted on client disconnect not freed (usage stuck "
         "above 0 at idle)",
-        ("kv_usage_after_aborts",),
+        ("kv_usage_after_aborts", "resident_blocks_ledger_vs_engine"),
+    ),
+    "usage_cached_from_lookup": Fault(
+        "the response's cached_tokens holds the tokens looked up in the prefix cache (every full "
+        "block but the last-token one), hit or not",
+        (
+            "prefix_reuse::test_repeated_prompt_served_from_cache",
+            "transfer::test_disaggregated_serving_reports_prefix_reuse",
+        ),
+        "per-request usage filled from the lookup's query count instead of its hit count (the "
+        "queries/hits pair of vLLM's PrefixCacheStats, read from the wrong field): a cold prompt "
+        "reports phantom hits",
+        ("first_request_cached_tokens",),
+    ),
+    "usage_ignores_last_token": Fault(
+        "the response counts the prompt's last full block as cached although the last-token rule "
+        "recomputed it",
+        ("prefix_reuse::test_repeated_prompt_served_from_cache",),
+        "the usage-side twin of hit_counter_drift; Dynamo 1.6.1's router predicts exactly this "
+        "(our finding on test_router_prediction_matches_worker)",
+        ("cached_tokens_in_response",),
+    ),
+    "queries_counted_on_hit_only": Fault(
+        "a lookup that finds nothing in the device cache is not counted as a query",
+        ("prefix_reuse::test_evicted_prefix_not_reported_as_hit",),
+        "hit-rate counters updated in the hit branch only (the twin of queries_counted_on_miss_only): "
+        "the hit rate over-reads after evictions",
+        ("queried_tokens_counter_delta",),
+    ),
+    "block_size_forced": Fault(
+        "the engine runs at a block size of its own choosing (32 when less was asked for), said "
+        "only in its log",
+        ("offload_metrics::test_block_pool_stats_consistent",),
+        "vLLM's platform hooks overriding cache_config.block_size for a backend that needs "
+        "another one (FlashMLA: 64), announced in a log line only",
+        ("pool_tokens_per_block_vs_requested", "reused_blocks_during_run", "missed_blocks_during_run"),
+    ),
+    "pool_counters_per_iteration": Fault(
+        "the reused/missed block counters are published per iteration while the stats say they "
+        "are running totals",
+        ("offload_metrics::test_block_pool_stats_consistent",),
+        "TensorRT-LLM's /metrics is drained on read: per-window values taken for running totals",
+        (
+            "iterations_cumulative_counter_decreased",
+            "reused_blocks_during_run",
+            "missed_blocks_during_run",
+        ),
+    ),
+    "hit_rate_over_iteration": Fault(
+        "the published hit rate covers this iteration's lookups while the reuse counters are cumulative",
+        ("offload_metrics::test_block_pool_stats_consistent",),
+        "a hit rate computed over another window than its own counters (kvCacheStats "
+        "cacheHitRate beside cumulative reusedBlocks/missedBlocks)",
+        ("iterations_hit_rate_not_reused_over_lookups",),
+    ),
+    "offload_gauges_unset": Fault(
+        "the offload usage gauges are registered but never set: they read 0 while transfers run",
+        ("offload_metrics::test_gauges_consistent_under_load",),
+        "metrics registered on one path and updated on another that never runs (a connector "
+        "whose stats are not wired to the logger)",
+        ("samples_with_transfers_in_flight",),
+    ),
+    "l2_store_counters_unwired": Fault(
+        "the persistent tier's store counters are registered but never incremented",
+        ("offload_metrics::test_tiered_store_metrics_consistent",),
+        "LMCache's L2 counters live in an observability subscriber: not subscribed, they stay 0 "
+        "while stores land",
+        ("l2_stores_completed",),
+    ),
+    "duplicate_copy_removed_each": Fault(
+        "a hash cached in two physical blocks (the last block of a repeated block-aligned prompt, "
+        "recomputed) is announced stored twice and removed once per copy",
+        ("transfer::test_event_ledger_consistent",),
+        "vLLM #48933 / #55092: every physical eviction of a duplicated hash emits BlockRemoved, so a "
+        "consumer drops a still-cached hash (Dynamo #8012 and llm-d #680 added dedup filters for it)",
+        ("double_remove",),
+    ),
+    "event_batch_resent": Fault(
+        "every fifth event batch is sent twice with its sequence number (a retry of a send that "
+        "had gone out)",
+        ("transfer::test_event_ledger_consistent", "transfer::test_abort_releases_kv_once"),
+        "publisher retry loops that resend a batch after an error raised past the send "
+        "(the consumer sees a repeated sequence number)",
+        ("seq_regress",),
+    ),
+    "abort_kills_engine_loop": Fault(
+        "after a client disconnects mid-stream the engine answers every request with HTTP 500",
+        ("transfer::test_abort_releases_kv_once",),
+        "vLLM's AsyncEngineDeadError ('Background loop has errored already') after request aborts",
+        ("engine_serves_after_aborts",),
+    ),
+    "abort_drop_announced_then_evicted": Fault(
+        "an aborted request's fresh blocks are announced removed and dropped from the index, but "
+        "go back to the evictable list with their hash, so their eviction announces it again",
+        ("transfer::test_abort_releases_kv_once",),
+        "removal events emitted on a drop path and again on physical eviction (the vLLM #55092 "
+        "family, on the abort path)",
+        ("double_remove",),
+    ),
+    "abort_announces_uncached_blocks": Fault(
+        "the abort path announces a removal for every block the request held, including its "
+        "partial tail block that was never stored",
+        ("transfer::test_abort_releases_kv_once",),
+        "removal events per allocated block instead of per cached block",
+        ("remove_unknown",),
+    ),
+    "disagg_prompt_tokens_from_pages": Fault(
+        "the decode side reports prompt tokens as KV pages received x page size (the tail page "
+        "counted whole)",
+        ("transfer::test_disaggregated_serving_reports_prefix_reuse",),
+        "usage accounted from the received KV layout rather than the request",
+        ("prompt_tokens_served",),
+    ),
+    "state_bytes_cross_terms": Fault(
+        "the sender counts state bytes as (sum of the components' index counts) x (sum of the "
+        "components' slot sizes)",
+        ("transfer::test_transfer_bytes_reconcile[mla_state-*]",),
+        "SGLang #40164 (open; in 0.5.23): CommonKVSender.get_transfer_metric multiplies "
+        "_transfer_num_state_indices by state_item_lens_sum, cross terms for heterogeneous states",
+        ("bytes_sent",),
+    ),
+    "receiver_drops_state_bytes": Fault(
+        "the decode side counts KV page bytes and not the per-request state it also received",
+        ("transfer::test_transfer_bytes_reconcile[mla_state-*]",),
+        "state components accounted apart from KV pages (SGLang #40164 reworks the sender's "
+        "state accounting); here the receiver forgets them",
+        ("bytes_received",),
     ),
     "event_seq_gap": Fault(
         "the event publisher consumes a sequence number for a batch it then drops",
-        ("transfer::test_event_ledger_consistent",),
+        ("transfer::test_event_ledger_consistent", "transfer::test_abort_releases_kv_once"),
         "vLLM ZmqEventPublisher: seq taken before a send that fails",
         ("seq_gap", "remove_unknown", "resident_blocks_ledger_vs_engine"),
     ),

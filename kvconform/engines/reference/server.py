@@ -88,6 +88,8 @@ class EngineCollector:
         yield _counter("kvref_kv_released_twice", "second releases of one request", c.released_twice)
         if e.host is not None:
             usage, write, read = e.host.gauges()
+            if "offload_gauges_unset" in e.faults:
+                usage = write = read = 0.0  # registered, never set
             yield _gauge("kvref_offload_usage_perc", "host chunks pinned by transfers", usage)
             yield _gauge("kvref_offload_write_usage_perc", "host chunks pinned by stores", write)
             yield _gauge("kvref_offload_read_usage_perc", "host chunks pinned by loads", read)
@@ -110,8 +112,11 @@ class EngineCollector:
         if e.disk is not None:
             yield _gauge("kvref_disk_usage_bytes", "bytes in the disk tier", e.disk.usage_bytes())
             yield _gauge("kvref_disk_entries", "entries in the disk index", len(e.disk.index))
-            yield _counter("kvref_disk_store_submitted", "disk stores submitted", e.disk.stores_submitted)
-            yield _counter("kvref_disk_store_completed", "disk stores completed", e.disk.stores_completed)
+            unwired = "l2_store_counters_unwired" in e.faults  # registered, never incremented
+            submitted = 0 if unwired else e.disk.stores_submitted
+            completed = 0 if unwired else e.disk.stores_completed
+            yield _counter("kvref_disk_store_submitted", "disk stores submitted", submitted)
+            yield _counter("kvref_disk_store_completed", "disk stores completed", completed)
             yield _counter(
                 "kvref_disk_corrupt", "corrupt/truncated entries detected", e.disk.corrupt_detected
             )
@@ -196,6 +201,7 @@ class Handler(BaseHTTPRequestHandler):
                         "bytes": entry["bytes"],
                         "replicas": sorted(entry["replicas"]),
                         "digest": entry["digest"],
+                        "prompt_tokens": entry["prompt_tokens"],
                     },
                 )
         else:
@@ -237,6 +243,9 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a list of token ids")
         max_tokens = int(body.get("max_tokens", 1))
+        if self.engine.loop_dead:
+            self._send(500, {"error": "AsyncEngineDeadError: Background loop has errored already."})
+            return
         if body.get("stream"):
             self._stream(prompt, max_tokens)
             return
@@ -273,6 +282,8 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             aborted = True
         finally:
+            if aborted and "abort_kills_engine_loop" in self.engine.faults:
+                self.engine.loop_dead = True
             if aborted and "abort_leaks_blocks" in self.engine.faults:
                 pass  # the disconnect path forgets the request: its blocks stay referenced
             else:
@@ -361,10 +372,12 @@ class Handler(BaseHTTPRequestHandler):
                 part = payload[rank * shard : (rank + 1) * shard] if plan["shards"] > 1 else payload
                 messages.append((rank, part))
             sent_pages += 1
-        if not aborted and plan["state_bytes"]:
-            state = bytes(plan["state_bytes"])
-            messages.extend((rank, state) for rank in range(plan["copies"]))
-        for rank, part in messages:
+        states = 0
+        if not aborted:
+            for size in plan["states"]:  # one index per state component, to every copy
+                messages.extend((rank, bytes(size)) for rank in range(plan["copies"]))
+                states += plan["copies"]
+        for n, (rank, part) in enumerate(messages):
             requests.post(
                 f"{body['receiver']}/transfer/recv",
                 data=part,
@@ -373,10 +386,16 @@ class Handler(BaseHTTPRequestHandler):
                     "content-type": "application/octet-stream",
                     "x-transfer-id": transfer_id,
                     "x-replica": str(rank),
+                    "x-kind": "state" if n >= len(messages) - states else "page",
+                    "x-page-size": str(page_size),
+                    "x-prompt-tokens": str(len(body["prompt"])),
                 },
             )
             sent += len(part)
         counted = sent // plan["copies"] if "transfer_bytes_ignore_fanout" in e.faults else sent
+        if "state_bytes_cross_terms" in e.faults and states:
+            # (sum of the components' index counts) x (sum of their sizes), per copy
+            counted += (len(plan["states"]) - 1) * sum(plan["states"]) * plan["copies"]
         if "transfer_bytes_include_headers" in e.faults:
             counted += 64 * len(messages)
         with e.lock:
@@ -394,7 +413,6 @@ class Handler(BaseHTTPRequestHandler):
                 "bytes_counted": counted,
                 "pages_sent": sent_pages,
                 "aborted": aborted,
-                "state_indices": 1 if plan["state_bytes"] else 0,
                 "cached": 0 if "disagg_cached_tokens_lost" in e.faults else sources["cached"],
             },
         )
@@ -426,7 +444,15 @@ class Handler(BaseHTTPRequestHandler):
         )
 
     def _transfer_recv(self, body: dict[str, Any]) -> None:
-        self.engine.receive(self.headers["x-transfer-id"], int(self.headers["x-replica"]), body["_raw"])
+        h = self.headers
+        self.engine.receive(
+            h["x-transfer-id"],
+            int(h["x-replica"]),
+            body["_raw"],
+            state=h.get("x-kind") == "state",
+            page_size=int(h.get("x-page-size", 1)),
+            prompt_tokens=int(h.get("x-prompt-tokens", 0)),
+        )
         self._send(200, {"ok": True})
 
 
@@ -467,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(1)
     settings = EngineSettings(
-        block_size=args.block_size,
+        # block_size_forced: the engine runs at a block size of its choosing, said only in its log
+        block_size=max(args.block_size, 32) if "block_size_forced" in args.fault else args.block_size,
         num_blocks=args.num_blocks,
         offload_chunks=args.offload_chunks,
         disk_dir=args.disk_dir,

@@ -66,7 +66,7 @@ def test_corrupt_persisted_entry_recomputed(
     engine.flush_persistent()
     engine.stop()  # the process is gone before its files are touched
     damaged = [p for p in engine.persisted_entries() if p not in before]
-    verdict.expect("entries_damaged", len(damaged), ">=", 1, note="the prompt must have been persisted")
+    verdict.require("entries_damaged", len(damaged), ">=", 1, note="the prompt must have been persisted")
     for path in damaged:
         data = path.read_bytes()
         if damage == "truncate":

@@ -77,6 +77,8 @@ def test_trace_replay_reuse_matches_oracle(engine: EngineAdapter, verdict: Verdi
     ]
     verdict.record("requests", len(rows))
     verdict.record("reused_per_request", ", ".join(map(str, got)), "tokens", note=f"oracle {expected}")
-    verdict.equal("completed_requests", sum(r["terminal_status"] == "completed" for r in rows), len(trace))
+    verdict.require(
+        "completed_requests", sum(r["terminal_status"] == "completed" for r in rows), "==", len(trace)
+    )
     verdict.equal("requests_off_oracle", len(wrong), 0, note="; ".join(wrong[:5]))
     verdict.conclude()

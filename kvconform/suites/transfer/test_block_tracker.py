@@ -31,7 +31,7 @@ def active_blocks(engine: EngineAdapter) -> int:
 def test_block_tracker_ownership_and_drain(engine: EngineAdapter, verdict: Verdict) -> None:
     worker = {**MODEL, "worker_id": 7, "block_size": 16, "dp_start": 0, "dp_size": 1}
     status, _ = engine.block_tracker("POST", "/register", worker)
-    verdict.equal("register_status", status, 201)
+    verdict.require("register_status", status, "==", 201)
     status, _ = engine.block_tracker("POST", "/register", worker)
     verdict.equal("duplicate_register_status", status, 409)
     live: dict[str, list[int]] = {}
@@ -46,7 +46,7 @@ def test_block_tracker_ownership_and_drain(engine: EngineAdapter, verdict: Verdi
             "new_isl_tokens": 16 * len(hashes),
         }
         status, _ = engine.block_tracker("POST", "/add", body)
-        verdict.equal(f"add_{rid}_status", status, 201)
+        verdict.require(f"add_{rid}_status", status, "==", 201)
         live[rid] = hashes
     verdict.equal(
         "active_blocks_with_shared_prefix",

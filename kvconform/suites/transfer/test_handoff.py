@@ -46,7 +46,7 @@ def test_handoff_time_matches_bytes_over_bandwidth(engine: EngineAdapter, verdic
         ordered += all(s is not None for s in stamps) and stamps == sorted(stamps)
     verdict.record("kv_bytes_per_token_from_model_shape", bytes_per_token, "bytes")
     verdict.record("bandwidth", BANDWIDTH_GBPS, "GB/s")
-    verdict.equal("handoffs_recorded", sum(1 for r in rows if r.get("handoff")), len(trace))
+    verdict.require("handoffs_recorded", sum(1 for r in rows if r.get("handoff")), "==", len(trace))
     verdict.equal("handoffs_off_bytes_over_bandwidth", len(off), 0, note="; ".join(off[:4]))
     verdict.equal(
         "handoffs_with_ordered_timestamps",
