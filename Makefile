@@ -27,7 +27,8 @@ $(VENV)/.ready: pyproject.toml
 
 # The main job: every suite against the default (reference) engine, with the Allure report.
 main: venv
-	$(BIN)/kvconform run --results-dir $(RESULTS)/main --report-dir $(RESULTS)/main/report
+	$(BIN)/kvconform run --results-dir $(RESULTS)/main --report-dir $(RESULTS)/main/report \
+	  $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json)
 
 # The project's tests: lint, harness self-tests + mutation matrix + contract tests, then the
 # suites against the real engines (each in its own cached environment).
@@ -49,6 +50,7 @@ engines: envs
 	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
 	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs; code=$$?; \
 	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
+	  $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json) \
 	  || echo "[engines] report not generated"; \
 	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; \
 	for e in $(SEPARATE_ENGINES); do \

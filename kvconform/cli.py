@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--report-dir", default="report")
     run.add_argument("--baseline", help="results of a baseline run: its gate verdict goes into the report")
     run.add_argument("--history", help="Allure history file (default: RESULTS_DIR/allure-history.jsonl)")
+    run.add_argument(
+        "--mutation-matrix", help="mutation-matrix.json of the self-tests: each check's page lists its kills"
+    )
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
 
     gate = sub.add_parser("gate", help="compare a candidate's results with a baseline's")
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--results", help="the run's results dir (results.json): organises the report")
     report.add_argument("--baseline", help="with --results: show the gate against this baseline")
     report.add_argument("--history", help="Allure history file to read and append to (trends)")
+    report.add_argument(
+        "--mutation-matrix", help="with --results: mutation-matrix.json, each check's page lists its kills"
+    )
 
     dash = sub.add_parser("dashboard", help="engine x check conformance dashboard from results.json")
     dash.add_argument("results_dir", metavar="RESULTS_DIR")
@@ -93,6 +99,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             [a for a in args.pytest_args if a != "--"],
             baseline=args.baseline,
             history=args.history,
+            mutation_matrix=args.mutation_matrix,
         )
     if args.command == "gate":
         from kvconform.gate import run_gate
@@ -106,7 +113,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             print(
                 build_report(
-                    Path(args.allure_results), Path(args.results), Path(args.out), args.baseline, args.history
+                    Path(args.allure_results),
+                    Path(args.results),
+                    Path(args.out),
+                    args.baseline,
+                    args.history,
+                    args.mutation_matrix,
                 )
             )
             return 0

@@ -47,6 +47,7 @@ def run_main_job(
     pytest_args: list[str],
     baseline: str | None = None,
     history: str | None = None,
+    mutation_matrix: str | None = None,
 ) -> int:
     results = Path(results_dir).resolve()
     report = Path(report_dir).resolve()
@@ -64,7 +65,9 @@ def run_main_job(
         print(f"kvconform run: no Allure results in {allure_dir}: no report generated", file=sys.stderr)
         return code or 2
     try:
-        index = build_report(allure_dir, results, report, baseline, history or str(results / HISTORY_NAME))
+        index = build_report(
+            allure_dir, results, report, baseline, history or str(results / HISTORY_NAME), mutation_matrix
+        )
     except KvconformError as exc:
         print(f"kvconform run: HTML report not generated: {exc}", file=sys.stderr)
         return code or 2
@@ -77,11 +80,18 @@ def run_main_job(
 
 
 def build_report(
-    allure_dir: Path, results: Path, report: Path, baseline: str | None, history: str | None
+    allure_dir: Path,
+    results: Path,
+    report: Path,
+    baseline: str | None,
+    history: str | None,
+    mutation_matrix: str | None = None,
 ) -> str:
-    """Dashboard (markdown + HTML), gate verdict (with a baseline), then the HTML report."""
+    """Dashboard (markdown + HTML), gate verdict (with a baseline), then the HTML report (each
+    check's page with the faults its measures were seen to kill, given a mutation matrix)."""
     from kvconform import dashboard
     from kvconform.allure_html import generate
+    from kvconform.report import load_kills
 
     html = None
     verdict = None
@@ -102,6 +112,7 @@ def build_report(
         history=history,
         gate=verdict,
         dashboard_html=html,
+        kills=load_kills(mutation_matrix) if mutation_matrix else None,
     )
     if html is not None:
         (report / dashboard.HTML_NAME).write_text(html, encoding="utf-8")

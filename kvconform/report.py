@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import allure
 
+from kvconform.errors import UsageError
+
 if TYPE_CHECKING:
     import pytest
 
@@ -270,13 +272,41 @@ def _skip_name(engine: str, reason: str, count: int) -> str:
     return f"{what}: {count} check{'s' if count != 1 else ''}"
 
 
+def load_kills(path: str | Path) -> dict[str, list[tuple[str, list[str]]]]:
+    """The mutation matrix (tests/test_mutation_matrix.py's mutation-matrix.json) by check:
+    [(measure, the faults and test doubles seen to violate it)]."""
+    try:
+        data = json.loads(Path(path).read_text())
+        rows = data["measures"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"mutation matrix {path}: not readable as mutation-matrix.json ({exc})") from exc
+    kills: dict[str, list[tuple[str, list[str]]]] = {}
+    for row in rows:
+        kills.setdefault(row["check"], []).append((row["measure"], list(row["killed_by"])))
+    return kills
+
+
+def kills_description(check: str, kills: dict[str, list[tuple[str, list[str]]]]) -> str:
+    """What a check's page says about the faults it was seen to kill, measure by measure."""
+    from kvconform import dashboard
+
+    rows = kills.get(dashboard.base_check(check))
+    if not rows:
+        return ""
+    lines = ["**Seen to fail** (mutation matrix: each measure and the faults that violated it):", ""]
+    lines += [f"- `{measure}`: {', '.join(faults) or 'NOT KILLED'}" for measure, faults in rows]
+    return "\n".join(lines)
+
+
 def organise_results(
     src: str | Path,
     dst: str | Path,
     data: dict[str, Any] | None,
     dashboard_html: str | None = None,
+    kills: dict[str, list[tuple[str, list[str]]]] | None = None,
 ) -> dict[str, Any]:
-    """Copy the Allure results `src` into `dst`, organised from results.json's `data`.
+    """Copy the Allure results `src` into `dst`, organised from results.json's `data`, each
+    check's page saying which faults its measures were seen to kill (`kills`: load_kills).
 
     Returns {"counts", "headline", "ids": {(engine, check): result uuid}}. Without `data` the
     results are copied as they are (fixture steps still get their names)."""
@@ -306,6 +336,10 @@ def organise_results(
                 dropped.add(result.get("uuid", ""))
                 continue
             _organise_one(result, record)
+            seen = kills_description(record["check"], kills or {})
+            if seen:
+                result["description"] = "\n\n".join(p for p in (result.get("description"), seen) if p)
+                result.pop("descriptionHtml", None)
             ids[(record["engine"], record["check"])] = result.get("uuid", "")
         (dst / path.name).write_text(json.dumps(result))
     for (engine, reason), members in sorted(skips.items()):

@@ -248,7 +248,12 @@ def failing_run(tmp_path: Path) -> dict[str, Any]:
             record["outcome"], record["measures"] = "passed", []
     (base / "baseline").mkdir()
     (base / "baseline" / "results.json").write_text(json.dumps(baseline))
-    build_report(results / "allure", results, report, str(base / "baseline"), str(results / HISTORY_NAME))
+    matrix = base / "mutation-matrix.json"
+    killed = {"check": dashboard.base_check(FINDING_CHECK), "measure": "cached_tokens_in_response"}
+    matrix.write_text(json.dumps({"measures": [{**killed, "killed_by": ["granularity_loss"]}]}))
+    build_report(
+        results / "allure", results, report, str(base / "baseline"), str(results / HISTORY_NAME), str(matrix)
+    )
     return {
         "code": code,
         "index": report / "index.html",
@@ -386,6 +391,7 @@ def test_report_of_a_failing_run_renders(
     assert ["finding", "known finding"] in labels and ["epic", dashboard.PREFIX] in labels, labels
     assert ["parentSuite", "reference"] in labels or ["engine", "reference"] in labels, labels
     assert "Known finding on reference" in page
+    assert "Seen to fail" in page and "cached_tokens_in_response: granularity_loss" in page, page
     links = browser.js(
         "[...document.querySelectorAll('[data-testid=test-result-meta-link] a, a')].map(a => a.href)"
     )

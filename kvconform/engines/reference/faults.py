@@ -88,7 +88,7 @@ FAULTS: dict[str, Fault] = {
         "eviction reuses a block but leaves its hash in the prefix index",
         ("prefix_reuse::test_evicted_prefix_not_reported_as_hit",),
         "a prefix index not cleaned when blocks are evicted",
-        ("cached_tokens_after_eviction",),
+        ("cached_tokens_after_eviction", "hit_tokens_counter_delta"),
     ),
     "router_index_stale": Fault(
         "the router-side prefix index ignores removed events",
