@@ -23,6 +23,11 @@ class PeriodicSampler:
     def sample(self) -> None:
         raise NotImplementedError
 
+    @property
+    def origin(self) -> float:
+        """time.monotonic() at the sampler's t = 0 (to put other clocks' records on its axis)."""
+        return self._t0
+
     def now(self) -> float:
         """Seconds since the sampler was created (the time axis of its series)."""
         return time.monotonic() - self._t0

@@ -113,3 +113,20 @@ def test_an_engine_that_trims_its_kv_by_a_token_serves_all_but_one() -> None:
     assert prefix_hit_tokens(600, 600, 256, LastToken.TOKEN) == 512  # the partial block is never cached
     assert prefix_hit_tokens(300, 600, 256, LastToken.TOKEN) == 256
     assert prefix_hit_tokens(2560, 2560, 256, LastToken.NONE) == 2560
+
+
+def test_gauge_judged_against_the_transfer_workers_log() -> None:
+    from kvconform.suites.offload_metrics.gauges import gauge_vs_transfers, in_flight_windows
+
+    origin = 100.0
+    log = [(100.0, 0), (101.0, 2), (101.01, 0), (101.02, 1), (101.3, 0), (103.0, 1), (103.02, 0)]
+    windows = in_flight_windows(log, origin, merge_gap_s=0.05)
+    assert [(round(w.start, 2), round(w.end, 2)) for w in windows] == [(1.0, 1.3), (3.0, 3.02)]
+    samples = [(t / 100, 0.0) for t in range(0, 500, 5)]
+    lit = [(t, 0.5 if 1.05 <= t <= 1.4 else v) for t, v in samples]
+    assert gauge_vs_transfers(lit, windows, slack_s=0.2, min_window_s=0.05) == ([], [])
+    phantom, unseen = gauge_vs_transfers(
+        [(t, 0.5 if 1.05 <= t <= 2.0 else v) for t, v in samples], windows, 0.2, 0.05
+    )
+    assert phantom[0].startswith("t=1.5") and unseen == []  # stuck up after the stores ended
+    assert gauge_vs_transfers(samples, windows, 0.2, 0.05) == ([], ["1.000-1.300s"])  # never shown

@@ -490,6 +490,12 @@ class EngineAdapter(ABC):
                 return
             time.sleep(0.1)
 
+    def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
+        """What the engine's transfer worker knew, at each change since the engine started:
+        (time.monotonic() seconds, chunks of stores in flight, chunks of loads in flight).
+        Where the worker can say it, the offload gauges are judged against it; None: it cannot."""
+        return None
+
     def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
         return self.metric_delta("offload_failed_stores", before, after)
 

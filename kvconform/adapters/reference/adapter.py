@@ -227,6 +227,9 @@ class ReferenceAdapter(EngineAdapter):
     def set_store_failure(self, fail: bool) -> None:
         self.post_json("/admin/offload", {"fail_stores": fail})
 
+    def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
+        return [(float(t), int(s), int(lo)) for t, s, lo in self.get_json("/admin/offload/transfers")["log"]]
+
     # ---- instances (memory churn) --------------------------------------------------------
     # Imported KV per churn instance; the reclaim-power benchmark shrinks it to one block.
     # 8 MiB: a leak of one instance per cycle is plain in RSS too (4 cycles: 32 MiB, 8 MiB/cycle).

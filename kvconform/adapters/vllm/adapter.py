@@ -271,8 +271,29 @@ class VllmAdapter(EngineAdapter):
                 "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
                 "kvconform_load_delay_s": OFFLOAD_LOAD_DELAY_S,
                 "kvconform_fail_stores_file": str(self.fail_stores_file()),
+                "kvconform_transfer_log": str(self.transfer_log_file()),
             },
         }
+
+    def transfer_log_file(self) -> Path:
+        """Where our host-copy worker logs the chunks it has in flight (vllm_offload_spec.py)."""
+        return self.ctx.workdir / "vllm-offload-transfers.log"
+
+    def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
+        """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
+        if self.config is None or not self.config.offload or self.profile.offload.get("backend") == "native":
+            return None
+        path = self.transfer_log_file()
+        if not path.is_file():
+            raise EngineError(
+                self.name, f"the host-copy worker wrote no transfer log at {path}", self.log_tail()
+            )
+        rows = []
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3:  # a line being written as we read is skipped
+                rows.append((float(parts[0]), int(parts[1]), int(parts[2])))
+        return rows
 
     # vLLM creates the offload gauges and counters at their first update (the gauges at the
     # first scheduler stats with the connector, the byte counters at the first finished

@@ -222,9 +222,17 @@ FAULTS: dict[str, Fault] = {
     ),
     "gauges_never_drain": Fault(
         "completed loads never unpin their host chunks, so usage never returns to 0",
-        ("offload_metrics::test_gauges_drain_after_load",),
+        (
+            "offload_metrics::test_gauges_drain_after_load",
+            "offload_metrics::test_gauges_consistent_under_load",
+        ),
         "a transfer-pinning counter not decremented on completion",
-        ("drain_time", "usage_at_idle", "read_at_idle"),
+        (
+            "offload_metrics::test_gauges_drain_after_load:drain_time",
+            "offload_metrics::test_gauges_drain_after_load:usage_at_idle",
+            "offload_metrics::test_gauges_drain_after_load:read_at_idle",
+            "offload_metrics::test_gauges_consistent_under_load:samples_read_without_load_in_flight",
+        ),
     ),
     "write_gauge_own_counter": Fault(
         "the write gauge has a counter of its own, which a completed store does not decrement (usage's does)",
@@ -235,6 +243,8 @@ FAULTS: dict[str, Fault] = {
         "vLLM's CPU-offload write gauge vs the stores really in flight (two counters out of step)",
         (
             "offload_metrics::test_gauges_consistent_under_load:samples_write_above_usage",
+            "offload_metrics::test_gauges_consistent_under_load:samples_write_without_store_in_flight",
+            "offload_metrics::test_gauges_consistent_under_load:loads_in_flight_unseen_by_read_gauge",
             "offload_metrics::test_gauges_drain_after_load:drain_time",
             "offload_metrics::test_gauges_drain_after_load:write_at_idle",
         ),
@@ -415,7 +425,11 @@ FAULTS: dict[str, Fault] = {
         ("offload_metrics::test_gauges_consistent_under_load",),
         "metrics registered on one path and updated on another that never runs (a connector "
         "whose stats are not wired to the logger)",
-        ("samples_with_transfers_in_flight",),
+        (
+            "samples_with_transfers_in_flight",
+            "stores_in_flight_unseen_by_write_gauge",
+            "loads_in_flight_unseen_by_read_gauge",
+        ),
     ),
     "l2_store_counters_unwired": Fault(
         "the persistent tier's store counters are registered but never incremented",

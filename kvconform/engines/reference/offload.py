@@ -51,9 +51,18 @@ class HostTier:
         self.loaded_blocks = 0
         self.failed_stores = 0
         self.lock = threading.Lock()
+        # (monotonic s, stores in flight, loads in flight) at each change: the worker's own view
+        self.transfer_log: list[tuple[float, int, int]] = [(time.monotonic(), 0, 0)]
+        self._in_flight = [0, 0]
         self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.worker = threading.Thread(target=self._work, daemon=True, name="offload-worker")
         self.worker.start()
+
+    def _note(self, stores: int = 0, loads: int = 0) -> None:
+        """Called with the lock held: a transfer entered (+1) or left (-1) the worker."""
+        self._in_flight[0] += stores
+        self._in_flight[1] += loads
+        self.transfer_log.append((time.monotonic(), *self._in_flight))
 
     def _bytes_counted(self) -> int:
         # The fault counts 2-byte (bf16) elements as 4-byte ones.
@@ -67,6 +76,7 @@ class HostTier:
             self.chunks[key] = Chunk()
             self.pending_writes += 1
             self.write_pins += 1
+            self._note(stores=1)
         self.jobs.put(lambda: self._store(key, data.to("cpu", copy=True)))
 
     def _make_room(self) -> bool:
@@ -81,6 +91,7 @@ class HostTier:
     def _store(self, key: str, data: torch.Tensor) -> None:
         time.sleep(self.store_delay_s)
         with self.lock:
+            self._note(stores=-1)
             chunk = self.chunks.get(key)
             if chunk is None:
                 return
@@ -112,6 +123,7 @@ class HostTier:
                 return None
             chunk.readers += 1
             self.pending_reads += 1
+            self._note(loads=1)
             self.reads_scheduled += 1
             self.chunks.move_to_end(key)
         done = threading.Event()
@@ -122,6 +134,7 @@ class HostTier:
             assert chunk.data is not None
             result.append(chunk.data.clone())
             with self.lock:
+                self._note(loads=-1)
                 self.load_bytes += self._bytes_counted()
                 self.loaded_blocks += 1
                 if "gauges_never_drain" not in self.faults:

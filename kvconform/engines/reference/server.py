@@ -64,6 +64,9 @@ class EngineCollector:
     def collect(self) -> Any:
         e = self.engine
         c = e.counters
+        # the host tier's gauges first, under its own lock: a prefill holds the engine's lock
+        # while it loads from the host tier, and the gauges must show those loads
+        host_gauges = e.host.gauges() if e.host is not None else (0.0, 0.0, 0.0)
         with e.lock:
             stats = e.pool.stats()
         yield _counter("kvref_prefix_queries", "prompt tokens looked up", c.prefix_queries)
@@ -87,7 +90,7 @@ class EngineCollector:
         yield _counter("kvref_blocks_evicted", "cached blocks evicted", stats.evictions)
         yield _counter("kvref_kv_released_twice", "second releases of one request", c.released_twice)
         if e.host is not None:
-            usage, write, read = e.host.gauges()
+            usage, write, read = host_gauges
             if "offload_gauges_unset" in e.faults:
                 usage = write = read = 0.0  # registered, never set
             yield _gauge("kvref_offload_usage_perc", "host chunks pinned by transfers", usage)
@@ -178,6 +181,14 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"version": VERSION, "faults": sorted(self.engine.faults)})
         elif route == "/metrics":
             self._send(200, generate_latest(self.registry), "text/plain; version=0.0.4")
+        elif route == "/admin/offload/transfers":
+            host = self.engine.host
+            if host is None:
+                self._send(404, {"error": "no host tier (start with --offload-chunks)"})
+            else:
+                with host.lock:
+                    log = list(host.transfer_log)
+                self._send(200, {"log": log})
         elif route == "/kv_stats":
             with self.engine.lock:
                 self._send(200, list(self.engine.iterations))

@@ -39,3 +39,56 @@ class GaugeSampler(PeriodicSampler):
         if len(self.samples) < 2:
             return 0.0
         return (len(self.samples) - 1) / (self.samples[-1].t - self.samples[0].t)
+
+
+@dataclass
+class TransferWindow:
+    """A stretch during which the engine's transfer worker had transfers of one kind in flight."""
+
+    start: float
+    end: float
+
+
+def in_flight_windows(
+    log: list[tuple[float, int]], origin: float, merge_gap_s: float
+) -> list[TransferWindow]:
+    """Stretches with > 0 in flight, from (monotonic time, count) changes, on the sampler's
+    clock; transfers back to back (gaps under `merge_gap_s`, below what a scrape resolves) are
+    one stretch."""
+    windows: list[TransferWindow] = []
+    start: float | None = None
+    for t, count in log:
+        if count > 0 and start is None:
+            start = t - origin
+            if windows and start - windows[-1].end < merge_gap_s:
+                start = windows.pop().start
+        elif count <= 0 and start is not None:
+            windows.append(TransferWindow(start, t - origin))
+            start = None
+    if start is not None:
+        windows.append(TransferWindow(start, float("inf")))
+    return windows
+
+
+def gauge_vs_transfers(
+    samples: list[tuple[float, float]], windows: list[TransferWindow], slack_s: float, min_window_s: float
+) -> tuple[list[str], list[str]]:
+    """A gauge against what the worker knew: (samples above 0 with no transfer in flight within
+    `slack_s` of them, windows the gauge never showed). `slack_s` covers the engine publishing
+    the gauge after its scheduler hears of a transfer, and one scrape. Only windows the samples
+    span and at least `min_window_s` long (what scrapes can resolve) are judged unseen."""
+    phantom = [
+        f"t={t:.3f}s gauge={value:.4g}"
+        for t, value in samples
+        if value > 0 and not any(w.start - slack_s <= t <= w.end + slack_s for w in windows)
+    ]
+    first, last = (samples[0][0], samples[-1][0]) if samples else (0.0, 0.0)
+    unseen = [
+        f"{w.start:.3f}-{w.end:.3f}s"
+        for w in windows
+        if w.end >= first + slack_s
+        and w.end + slack_s <= last
+        and w.end - w.start >= min_window_s
+        and not any(value > 0 and w.start - slack_s <= t <= w.end + slack_s for t, value in samples)
+    ]
+    return phantom, unseen

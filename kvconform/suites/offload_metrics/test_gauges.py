@@ -18,18 +18,53 @@ from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
-from kvconform.suites.offload_metrics.gauges import GaugeSampler
+from kvconform.suites.offload_metrics.gauges import GaugeSampler, gauge_vs_transfers, in_flight_windows
 
 pytestmark = [pytest.mark.requires(C.OFFLOAD_GAUGES), pytest.mark.engine_config(offload=True)]
 
 EPS = 1e-6
 DRAIN_BOUND_S = 5.0
 MIN_RATE_HZ = 20.0
+# How far a gauge may lag what the transfer worker knows: the scheduler hearing of a finished
+# transfer at its next step, the metrics publish, one scrape (measured: see judge_against_transfers).
+TRANSFER_SLACK_S = 0.5
 
 
 def attach(verdict: Verdict, sampler: GaugeSampler) -> None:
     for field in ("usage", "write", "read"):
         verdict.add_series(f"offload {field} gauge", [(s.t, getattr(s, field)) for s in sampler.samples])
+
+
+def judge_against_transfers(engine: EngineAdapter, sampler: GaugeSampler, verdict: Verdict) -> None:
+    """The write gauge against the stores the engine's transfer worker had in flight, the read
+    gauge against its loads: above 0 only around a transfer, and never blind to one."""
+    log = engine.offload_transfer_log()
+    if log is None:
+        verdict.record(
+            "transfer_log", f"engine {engine.name}'s transfer worker does not say what it has in flight"
+        )
+        return
+    for gauge, kind, column in (("write", "store", 1), ("read", "load", 2)):
+        resolved = 2 * sampler.interval_s  # what scrapes at the sampler's rate can resolve
+        windows = in_flight_windows([(row[0], row[column]) for row in log], sampler.origin, resolved)
+        points = [(s.t, getattr(s, gauge)) for s in sampler.samples]
+        phantom, unseen = gauge_vs_transfers(points, windows, TRANSFER_SLACK_S, resolved)
+        verdict.record(
+            f"{kind}_windows", len(windows), note="stretches with transfers in flight (the worker's log)"
+        )
+        verdict.equal(
+            f"samples_{gauge}_without_{kind}_in_flight",
+            len(phantom),
+            0,
+            note=f"{gauge} gauge > 0 with no {kind} in flight within {TRANSFER_SLACK_S} s; "
+            + "; ".join(phantom[:3]),
+        )
+        verdict.equal(
+            f"{kind}s_in_flight_unseen_by_{gauge}_gauge",
+            len(unseen),
+            0,
+            note=f"{kind} windows the {gauge} gauge never showed; " + "; ".join(unseen[:3]),
+        )
 
 
 def test_gauges_consistent_under_load(
@@ -58,6 +93,7 @@ def test_gauges_consistent_under_load(
         )
     else:
         verdict.equal("samples_read_not_usage_minus_write", len(not_derived), 0, note=_first(not_derived))
+    judge_against_transfers(engine, offload_run.sampler, verdict)
     verdict.record("max_usage", max((s.usage for s in samples), default=0.0))
     verdict.record("min_read", min((s.read for s in samples), default=0.0))
     attach(verdict, offload_run.sampler)

@@ -16,6 +16,9 @@ Extra config keys read here (all optional, beside vLLM's own such as `cpu_bytes_
 - `kvconform_store_delay_s`: a store is copied at submit time but reported finished only this
   long afterwards, as an asynchronous transfer would be, so the write gauge is visibly > 0.
 - `kvconform_load_delay_s`: the same for loads (the read gauge).
+- `kvconform_transfer_log`: the worker appends `monotonic_s stores loads` (chunks in flight
+  by its own account, from submit to the finished report) at each change, so the suite can
+  judge vLLM's gauges against the transfers really in flight.
 - `kvconform_fail_stores_file`: while this file exists, new stores fail. The connector of this
   vLLM version has no way for a worker to report a failed transfer (its worker asserts
   `TransferResult.success`), so the failure is decided where the manager allocates the store
@@ -57,6 +60,7 @@ logger = init_logger("vllm.kvconform_offload_spec")  # vLLM's handlers: lines la
 STORE_DELAY_KEY = "kvconform_store_delay_s"
 LOAD_DELAY_KEY = "kvconform_load_delay_s"
 FAIL_FILE_KEY = "kvconform_fail_stores_file"
+TRANSFER_LOG_KEY = "kvconform_transfer_log"
 
 
 class FailingStoreSpec(CPULoadStoreSpec):
@@ -125,6 +129,8 @@ class _Job:
     due: float
     started: float
     nbytes: int | None  # None: nothing was transferred (a failed store)
+    chunks: int = 0
+    store: bool = True
 
 
 class HostCopyWorker(OffloadingWorker):
@@ -141,6 +147,7 @@ class HostCopyWorker(OffloadingWorker):
         num_chunks: int,
         store_delay_s: float,
         load_delay_s: float,
+        transfer_log: str | None = None,
     ) -> None:
         self.device: list[torch.Tensor] = []
         self.host: list[torch.Tensor] = []
@@ -163,6 +170,9 @@ class HostCopyWorker(OffloadingWorker):
         self.store_delay_s = store_delay_s
         self.load_delay_s = load_delay_s
         self.jobs: deque[_Job] = deque()
+        self.in_flight = [0, 0]  # chunks of stores, of loads: submitted, not reported finished
+        self.transfer_log = open(transfer_log, "w", buffering=1) if transfer_log else None  # noqa: SIM115
+        self._log_in_flight()
         logger.info(
             "kvconform host-copy worker: %d KV tensor(s), page bytes %s, %d host chunks, "
             "device shapes %s, store delay %.3fs, load delay %.3fs",
@@ -196,10 +206,18 @@ class HostCopyWorker(OffloadingWorker):
                 nbytes += size * self.page_bytes[t]
         return nbytes
 
-    def _enqueue(self, job_id: int, started: float, delay: float, nbytes: int | None) -> None:
+    def _log_in_flight(self) -> None:
+        if self.transfer_log is not None:
+            self.transfer_log.write(f"{time.monotonic():.6f} {self.in_flight[0]} {self.in_flight[1]}\n")
+
+    def _enqueue(
+        self, job_id: int, started: float, delay: float, nbytes: int | None, chunks: int, store: bool
+    ) -> None:
         # completions come back in submission order, like a single transfer queue
         due = max(time.monotonic() + delay, self.jobs[-1].due if self.jobs else 0.0)
-        self.jobs.append(_Job(job_id, due, started, nbytes))
+        self.jobs.append(_Job(job_id, due, started, nbytes, chunks, store))
+        self.in_flight[0 if store else 1] += chunks
+        self._log_in_flight()
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
@@ -207,14 +225,14 @@ class HostCopyWorker(OffloadingWorker):
         nbytes = (
             None if isinstance(dst_spec, FailingStoreSpec) else self._copy(src_spec, dst_spec.block_ids, True)
         )
-        self._enqueue(job_id, started, self.store_delay_s, nbytes)
+        self._enqueue(job_id, started, self.store_delay_s, nbytes, len(dst_spec.block_ids), True)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, BlockIDsLoadStoreSpec)
         started = time.monotonic()
         nbytes = self._copy(dst_spec, src_spec.block_ids, False)
-        self._enqueue(job_id, started, self.load_delay_s, nbytes)
+        self._enqueue(job_id, started, self.load_delay_s, nbytes, len(src_spec.block_ids), False)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -222,6 +240,8 @@ class HostCopyWorker(OffloadingWorker):
         done: list[TransferResult] = []
         while self.jobs and self.jobs[0].due <= now:
             job = self.jobs.popleft()
+            self.in_flight[0 if job.store else 1] -= job.chunks
+            self._log_in_flight()
             if job.nbytes is None:
                 done.append(TransferResult(job_id=job.job_id, success=True))
             else:
@@ -242,6 +262,9 @@ class HostCopyWorker(OffloadingWorker):
             time.sleep(remaining)
 
     def shutdown(self) -> None:
+        if self.transfer_log is not None:
+            self.transfer_log.close()
+            self.transfer_log = None
         self.jobs.clear()
         self.host.clear()
         self.device.clear()
@@ -259,6 +282,7 @@ class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
         self.store_delay_s = float(self.extra_config.get(STORE_DELAY_KEY, 0.0))
         self.load_delay_s = float(self.extra_config.get(LOAD_DELAY_KEY, 0.0))
         self.fail_file: str | None = self.extra_config.get(FAIL_FILE_KEY)
+        self.transfer_log: str | None = self.extra_config.get(TRANSFER_LOG_KEY)
 
     def get_manager(self) -> OffloadingManager:
         manager = super().get_manager()
@@ -271,5 +295,7 @@ class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = HostCopyWorker(kv_caches, self.num_chunks, self.store_delay_s, self.load_delay_s)
+            self._worker = HostCopyWorker(
+                kv_caches, self.num_chunks, self.store_delay_s, self.load_delay_s, self.transfer_log
+            )
         return self._worker
