@@ -8,7 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvconform import cli, dashboard, gate, report
+from kvconform.errors import UsageError
 
 LINK = "https://example.org/upstream/issue/7"
 
@@ -144,7 +147,14 @@ def test_organised_results(tmp_path: Path) -> None:
     }
     (src / "c1-container.json").write_text(json.dumps(container))
     (src / "environment.properties").write_text("platform=NVIDIA H200\n")
-    info = report.organise_results(src, dst, DATA, dashboard_html="<html>dash</html>")
+    matrix = tmp_path / "mutation-matrix.json"
+    churn = "memory_reclaim::test_churn_returns_to_baseline"
+    rows = [
+        {"check": churn, "measure": "server_shm_mapped_bytes.leak_slope", "killed_by": ["leak_on_unregister"]}
+    ]
+    matrix.write_text(json.dumps({"measures": rows}))
+    kills = report.load_kills(matrix)
+    info = report.organise_results(src, dst, DATA, dashboard_html="<html>dash</html>", kills=kills)
 
     results = [json.loads(p.read_text()) for p in dst.glob("*-result.json")]
     labels = {r["name"]: {(lab["name"], lab["value"]) for lab in r["labels"]} for r in results}
@@ -161,6 +171,13 @@ def test_organised_results(tmp_path: Path) -> None:
         ("tag", report.FINDING_TAG),
     } <= labels[finding["name"]]
     assert ("parentSuite", "suites.x") not in labels[finding["name"]]
+    # each check's page: the faults its measures were seen to kill (the mutation matrix)
+    assert "**Seen to fail**" in finding["description"]
+    assert "- `server_shm_mapped_bytes.leak_slope`: leak_on_unregister" in finding["description"]
+    assert finding["description"].startswith("**Known finding**")
+    matrix.write_text("not json")
+    with pytest.raises(UsageError, match="mutation matrix"):
+        report.load_kills(matrix)
     assert ("tag", report.NEW_FAILURE_TAG) in labels["transfer::test_transfer_bytes_reconcile"]
     # two capability skips of one engine and reason: one result
     skips = [r for r in results if r["status"] == "skipped"]
