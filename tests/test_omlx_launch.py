@@ -18,23 +18,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import psutil
-import pytest
 
 from kvconform import envs
 from kvconform.adapters.omlx.adapter import BLOCK_SIZE, OmlxAdapter
 from kvconform.contract import AdapterContext, EngineConfig
-from kvconform.errors import UsageError
+from tests.engine_envs import skip_unless_built
 
-
-def _built() -> bool:
-    try:
-        envs.find("omlx")
-    except UsageError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _built(), reason="environment omlx not built")
+pytestmark = skip_unless_built("omlx")
 
 
 def test_launch_serve_and_teardown_keep_to_the_work_dir(tmp_path: Path, monkeypatch) -> None:

@@ -12,24 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import psutil
-import pytest
 
-from kvconform import envs
 from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
 from kvconform.contract import AdapterContext, EngineConfig
-from kvconform.errors import UsageError
 from kvconform.processes import SHM_DIR
+from tests.engine_envs import skip_unless_built
 
-
-def _built() -> bool:
-    try:
-        envs.find("sglang-server")
-    except UsageError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _built(), reason="environment sglang-server not built")
+pytestmark = skip_unless_built("sglang-server")
 
 
 def test_launch_serve_and_teardown_leave_nothing(tmp_path: Path) -> None:

@@ -16,24 +16,12 @@ import signal
 from pathlib import Path
 
 import psutil
-import pytest
 
-from kvconform import envs
 from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
 from kvconform.contract import AdapterContext, EngineConfig
-from kvconform.errors import UsageError
+from tests.engine_envs import skip_unless_built
 
-
-def _built() -> bool:
-    try:
-        envs.find("vllm-lmcache")
-        envs.find("lmcache")
-    except UsageError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _built(), reason="environments vllm-lmcache and lmcache not built")
+pytestmark = skip_unless_built("vllm-lmcache", "lmcache")
 
 
 def test_a_vllm_killed_before_unregistering_reads_as_registered(tmp_path: Path) -> None:
