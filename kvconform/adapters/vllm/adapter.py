@@ -200,17 +200,22 @@ class VllmAdapter(EngineAdapter):
             argv += self.offload_args()
         return [*argv, *self.profile.extra_args]
 
+    @property
+    def native_offload(self) -> bool:
+        """The profile asks for vLLM's native CPU offload (GPU builds) over our host-copy spec."""
+        return self.profile.offload.get("backend") == "native"
+
     def offload_args(self) -> list[str]:
         """The host tier: vLLM's native CPU offload when the profile asks for it (GPU builds),
         else vLLM's OffloadingConnector with kvconform's host-copy spec (its store-failure
         switch and delays are what OFFLOAD_STORE_FAILURE drives)."""
         offload = self.profile.offload
-        if "kv_transfer_config" in self.profile.connector and offload.get("backend") != "native":
+        if "kv_transfer_config" in self.profile.connector and not self.native_offload:
             raise NotImplementedError(
                 f"launch profile {self.profile.name}: its [connector] owns --kv-transfer-config; "
                 'the offload checks need [offload] backend = "native" there'
             )
-        if offload.get("backend") == "native":
+        if self.native_offload:
             gib = int(offload.get("size_bytes", OFFLOAD_CPU_BYTES)) / 2**30
             return ["--kv-offloading-size", f"{gib:g}", "--kv-offloading-backend", "native"]
         return ["--kv-transfer-config", json.dumps(self.offload_transfer_config())]
@@ -281,7 +286,7 @@ class VllmAdapter(EngineAdapter):
 
     def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
         """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
-        if self.config is None or not self.config.offload or self.profile.offload.get("backend") == "native":
+        if self.config is None or not self.config.offload or self.native_offload:
             return None
         path = self.transfer_log_file()
         if not path.is_file():

@@ -240,12 +240,11 @@ class ReferenceEngine:
             free = stats.free  # forgets cached-but-free blocks
         looked_up = self.reused_blocks + self.missed_blocks
         rate = self.reused_blocks / looked_up if looked_up else 0.0
-        if "hit_rate_over_iteration" in self.faults:
-            rate = reused / (reused + missed) if reused + missed else 0.0  # this iteration only
         published = (self.reused_blocks, self.missed_blocks)
         if "pool_counters_per_iteration" in self.faults:
             published = (reused, missed)  # this iteration's counts, still said to be running totals
-            rate = reused / (reused + missed) if reused + missed else 0.0
+        if {"hit_rate_over_iteration", "pool_counters_per_iteration"} & self.faults:
+            rate = reused / (reused + missed) if reused + missed else 0.0  # this iteration only
         self.iterations.append(
             {
                 "iter": len(self.iterations),
@@ -318,16 +317,7 @@ class ReferenceEngine:
             for b in uncached:  # a removal per block held, cached or not
                 key = hashlib.sha256(f"uncached:{b}:{req.tokens}".encode()).hexdigest()[:32]
                 self._on_pool_event("removed", [key], None, 0)
-        if "abort_drop_announced_then_evicted" in self.faults:
-            for b in dropped:
-                block = self.pool.blocks[b]
-                if block.hash is not None:
-                    self.pool.index.pop(block.hash, None)
-                    self._on_pool_event("removed", [block.hash], None, 0)
-                block.ref = 0
-                self.pool.lru[b] = None  # hash kept: its eviction announces the removal again
-        else:
-            self.pool.discard(dropped)
+        self.pool.discard(dropped)
         self.pool.release([b for b in req.blocks if b not in fresh])
         if not req.released:
             self.counters.aborted += 1

@@ -153,9 +153,12 @@ class BlockPool:
                 if self.index.get(block.hash) == block_id:
                     del self.index[block.hash]
                 self.on_event("removed", [block.hash], None, 0)
+            block.ref = 0
+            if "abort_drop_announced_then_evicted" in self.faults:
+                self.lru[block_id] = None  # hash kept: its eviction announces the removal again
+                continue
             self.lru.pop(block_id, None)
             block.hash = block.parent = None
-            block.ref = 0
             self.free.append(block_id)
 
     def reset(self) -> bool:
