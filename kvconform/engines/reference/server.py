@@ -29,16 +29,36 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.engine import EngineSettings, ReferenceEngine
 from kvconform.engines.reference.faults import FAULTS
+from kvconform.engines.reference.helper import SHM_DIR
 from kvconform.engines.reference.instances import live_tensor_bytes
 
 
-def start_helper(faults: frozenset[str]) -> subprocess.Popen[bytes]:
-    """The side process (helper.py), in the server's process group unless a fault detaches it."""
-    argv = [sys.executable, "-m", "kvconform.engines.reference.helper"]
-    argv += ["--segment", f"kvconform-refsrv-{os.getpid()}-helper"]
+def start_helper(faults: frozenset[str], timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
+    """The side process (helper.py), in the server's process group unless a fault detaches it.
+
+    Returns once the helper has beaten on its page: only then has it detached (under the
+    fault) and installed its SIGTERM handler. A server that served before that could be
+    stopped while the helper was still importing, and the group's signal would end it before
+    it detached, so the fault would go unseen on a loaded machine (seen once in CI)."""
+    segment = SHM_DIR / f"kvconform-refsrv-{os.getpid()}-helper"
+    argv = [sys.executable, "-m", "kvconform.engines.reference.helper", "--segment", segment.name]
     if "orphan_after_restart" in faults:
         argv.append("--detach")
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while not _helper_beating(segment):
+        if helper.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the side process did not start (exit code {helper.poll()})")
+        time.sleep(0.02)
+    return helper
+
+
+def _helper_beating(segment: Path) -> bool:
+    try:
+        with segment.open("rb") as page:
+            return page.read(8) not in (b"", bytes(8))
+    except OSError:
+        return False
 
 
 def stop_helper(helper: subprocess.Popen[bytes], faults: frozenset[str]) -> None:
