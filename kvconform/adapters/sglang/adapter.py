@@ -206,8 +206,15 @@ class SglangAdapter(EngineAdapter):
         destinations: int,
         abort_after_pages: int | None = None,
     ) -> TransferResult:
-        """KV indices from a real allocation at `page_size`; bytes from SGLang's own sender
-        bookkeeping and get_transfer_metric (the network hand-off is stubbed in the driver)."""
+        """KV indices from a real allocation at `page_size`; bytes sent from SGLang's own
+        sender bookkeeping and get_transfer_metric; bytes received counted by us in the decode
+        pools SGLang's Mooncake send_kvcache wrote into (the transfer engine is a memmove in the
+        driver, sglang_receiver.py).
+
+        Receivers: MLA KV is whole on every decode rank, so each destination is one more
+        receiver of the full pages; MHA splits heads across ranks, so one rank's pool receives
+        one rank's pages. The state components of mla_state are not sent into a receiver
+        (their path, maybe_send_extra, needs the decode's registration): None there."""
         if abort_after_pages is not None:
             raise NotImplementedError("SGLang in-process has no transfer to abort")
         previous = self.config or EngineConfig()
@@ -236,6 +243,7 @@ class SglangAdapter(EngineAdapter):
                 state_item_lens=[[item] * m.layers for item in m.state_components] if state else None,
                 is_mla=layout != "mha",
                 required_dst_info_num=destinations,
+                receivers={"mha": 1, "mla": destinations}.get(layout, 0),
             )
         finally:
             self.new_cache(previous.block_size or self.default_block_size)
@@ -243,11 +251,13 @@ class SglangAdapter(EngineAdapter):
             kv_indices=kv_indices,
             page_indices=result["page_indices"],
             bytes_sent=int(result["transfer_total_bytes"]),
-            bytes_received=None,
+            bytes_received=result.get("bytes_received"),
             state_indices=int(result["num_state_indices_recorded"]),
             detail={
                 "replica_factor": result["replica_factor"],
                 "kv_item_lens_sum": result["kv_item_lens_sum"],
+                "bytes_outside_receiver": result.get("bytes_outside_receiver"),
+                "send_status": result.get("send_status"),
             },
         )
 

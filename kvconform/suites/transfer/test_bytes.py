@@ -69,6 +69,8 @@ def test_transfer_bytes_reconcile(
         "bytes",
         note="(pages x page bytes + states x state bytes) x replicas",
     )
+    for name, value in result.detail.items():
+        verdict.record(f"engine_{name}", value)
     if result.bytes_received is not None:
         verdict.equal("bytes_received", result.bytes_received, expected, "bytes")
     verdict.conclude()

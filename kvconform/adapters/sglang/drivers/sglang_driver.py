@@ -9,7 +9,8 @@ code, imported from the installed package: the radix prefix cache (RadixCache), 
 allocators (TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator), the KV pools
 (MHATokenToKVPool / MLATokenToKVPool), the request-to-token pool, the scheduler's allocation and
 release helpers (mem_cache/allocation.py, mem_cache/common.py), the KV event recorder
-(mem_cache/events.py) and the PD-disaggregation byte accounting (disaggregation/common/conn.py).
+(mem_cache/events.py), the PD-disaggregation byte accounting (disaggregation/common/conn.py)
+and Mooncake's KV send into a decode pool (sglang_receiver.py).
 
 The glue here is ours and kept thin: it builds the objects, plays the scheduler's part for one
 request at a time (match -> lock -> allocate -> write the request's row -> release), and turns
@@ -640,11 +641,11 @@ def _next_id() -> int:
     return _IDS["next"]
 
 
-def _pool_item_lens(pool_spec: dict) -> tuple[list[int], bool]:
+def _build_pool(pool_spec: dict, size: int | None = None) -> Any:
     kind = pool_spec.get("kind", "mha")
     page_size = int(pool_spec.get("page_size", 1))
     dtype = _DTYPES[pool_spec.get("dtype", "bfloat16")]
-    size = int(pool_spec.get("size", 16 * page_size))
+    size = size or int(pool_spec.get("size", 16 * page_size))
     layers = int(pool_spec.get("layer_num", 1))
     if kind == "mha":
         pool = MHATokenToKVPool(
@@ -671,8 +672,33 @@ def _pool_item_lens(pool_spec: dict) -> tuple[list[int], bool]:
         )
     else:
         raise ValueError("pool.kind must be 'mha' or 'mla'")
+    return pool
+
+
+def _pool_item_lens(pool_spec: dict) -> tuple[list[int], bool]:
+    pool = _build_pool(pool_spec)
     _, _, item_lens = pool.get_contiguous_buf_infos()
     return [int(x) for x in item_lens], is_mla_backend(pool)
+
+
+def op_transfer_land(pool: dict, page_indices: list[int], receivers: int) -> dict:
+    """SGLang's Mooncake send_kvcache (real) from a prefill pool into `receivers` decode pools
+    of the same shape; what each receiver holds afterwards (sglang_receiver.py, imported here:
+    an older release's Mooncake module must not stop the driver's other ops)."""
+    from sglang_receiver import land
+
+    page_size = int(pool.get("page_size", 1))
+    src = _build_pool(pool, (max(page_indices) + 1) * page_size)
+    is_mla = is_mla_backend(src)
+    landed = [
+        land(src, _build_pool(pool, (len(page_indices) + 1) * page_size), page_indices, is_mla, seed)
+        for seed in range(receivers)
+    ]
+    return {
+        "bytes_received": sum(r["bytes_received"] for r in landed),
+        "bytes_outside_receiver": sum(r["bytes_outside_receiver"] for r in landed),
+        "send_status": [r["send_status"] for r in landed],
+    }
 
 
 def op_kv_to_page_indices(kv_indices: list[int], page_size: int) -> list[int]:
@@ -796,10 +822,13 @@ def op_transfer_bytes(
     is_mla: bool | None = None,
     required_dst_info_num: int | None = None,
     pool: dict | None = None,
+    receivers: int = 0,
 ) -> dict:
     """One-shot: token KV indices -> kv_to_page_indices -> manager/sender -> one send of all
     pages (+ state indices) -> get_transfer_metric. required_dst_info_num=None skips
-    resolve_kv_replica_factor (SGLang then falls back to 1 for MLA, with a warning)."""
+    resolve_kv_replica_factor (SGLang then falls back to 1 for MLA, with a warning).
+    receivers > 0 (with pool): the pages are also sent into that many decode pools
+    (op_transfer_land) and what they received is returned."""
     pages = op_kv_to_page_indices(kv_indices, page_size)
     mgr = op_transfer_manager_new(kv_item_lens, state_item_lens, is_mla, pool)
     resolved = None
@@ -809,7 +838,9 @@ def op_transfer_bytes(
     sent = op_transfer_send(snd["sender"], pages, state_indices)
     metric = op_transfer_metric(snd["sender"])
     op_transfer_close(mgr["manager"])
+    received = op_transfer_land(pool, pages, receivers) if receivers and pool is not None else {}
     return {
+        **received,
         "page_indices": pages,
         "num_pages": len(pages),
         "kv_item_lens_sum": mgr["kv_item_lens_sum"],
@@ -854,6 +885,7 @@ HANDLERS = {
     "transfer_send": op_transfer_send,
     "transfer_metric": op_transfer_metric,
     "transfer_bytes": op_transfer_bytes,
+    "transfer_land": op_transfer_land,
     "transfer_close": op_transfer_close,
 }
 
