@@ -199,6 +199,7 @@ def test_judge_since_a_mark_reports_only_that_checks_violations() -> None:
     ledger.extend([removed(3, "b"), stored(4, "c")])
     later = ledger.judge(since=mark)
     assert later.violations == [] and later.events == 2
+    assert (later.stored, later.removed) == (1, 1), "the counts recorded are the check's own"
     assert later.resident == {"device": {"c"}}
     ledger.extend([removed(5, "b")])
     assert ledger.judge(since=mark).counts() == {"double_remove": 1}
