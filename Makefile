@@ -11,6 +11,9 @@ REAL_ENGINES ?= vllm vllm-lmcache lmcache sglang sglang-server dynamo omlx
 # shared session has not been rerun yet.
 SEPARATE_ENGINES ?= lmcache-redis
 RESULTS ?= results
+# The self-tests' mutation matrix, when they have written one: report pages list each check's kills.
+# Expanded where used (after selftest has run), not here.
+KILLS = $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json)
 
 .PHONY: main test lint envs selftest engines venv clean
 
@@ -27,8 +30,7 @@ $(VENV)/.ready: pyproject.toml
 
 # The main job: every suite against the default (reference) engine, with the Allure report.
 main: venv
-	$(BIN)/kvconform run --results-dir $(RESULTS)/main --report-dir $(RESULTS)/main/report \
-	  $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json)
+	$(BIN)/kvconform run --results-dir $(RESULTS)/main --report-dir $(RESULTS)/main/report $(KILLS)
 
 # The project's tests: lint, harness self-tests + mutation matrix + contract tests, then the
 # suites against the real engines (each in its own cached environment).
@@ -50,8 +52,7 @@ engines: envs
 	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
 	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs; code=$$?; \
 	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
-	  $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json) \
-	  || echo "[engines] report not generated"; \
+	  $(KILLS) || echo "[engines] report not generated"; \
 	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; \
 	for e in $(SEPARATE_ENGINES); do \
 	  $(BIN)/python -m pytest kvconform/suites --engine $$e --results-dir $(RESULTS)/engines-$$e -rs || code=1; \

@@ -139,11 +139,11 @@ class EventLedger:
         if since:
             recent = history[since:]
             first = min((e.seq for e in recent), default=None)
-            # the counts the check records are its own too; the resident set stays whole
-            verdict.events = len(recent)
-            verdict.stored = sum(len(e.block_hashes) for e in recent if e.kind == "stored")
-            verdict.removed = sum(len(e.block_hashes) for e in recent if e.kind == "removed")
-            verdict.cleared = sum(1 for e in recent if e.kind not in ("stored", "removed"))
+            # the counts the check records are its own too (judge()'s counting rule over its
+            # events alone); the resident set stays the whole history's
+            own = judge(recent)
+            verdict.events, verdict.stored = own.events, own.stored
+            verdict.removed, verdict.cleared = own.removed, own.cleared
             verdict.violations = [v for v in verdict.violations if first is not None and v.seq >= first]
         return verdict
 

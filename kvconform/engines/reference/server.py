@@ -392,7 +392,7 @@ class Handler(BaseHTTPRequestHandler):
         pages = e.page_indices(kv_indices, page_size)
         sent = sent_pages = 0
         aborted = False
-        messages: list[tuple[int, bytes]] = []
+        messages: list[tuple[int, bytes, str]] = []  # (replica, payload, kind)
         for n, page in enumerate(pages):
             if abort_after is not None and n >= int(abort_after):
                 aborted = True
@@ -401,14 +401,13 @@ class Handler(BaseHTTPRequestHandler):
             shard = len(payload) // plan["shards"]
             for rank in range(max(plan["copies"], plan["shards"])):
                 part = payload[rank * shard : (rank + 1) * shard] if plan["shards"] > 1 else payload
-                messages.append((rank, part))
+                messages.append((rank, part, "page"))
             sent_pages += 1
-        states = 0
-        if not aborted:
+        states_sent = not aborted and bool(plan["states"])
+        if states_sent:
             for size in plan["states"]:  # one index per state component, to every copy
-                messages.extend((rank, bytes(size)) for rank in range(plan["copies"]))
-                states += plan["copies"]
-        for n, (rank, part) in enumerate(messages):
+                messages.extend((rank, bytes(size), "state") for rank in range(plan["copies"]))
+        for rank, part, kind in messages:
             requests.post(
                 f"{body['receiver']}/transfer/recv",
                 data=part,
@@ -417,14 +416,14 @@ class Handler(BaseHTTPRequestHandler):
                     "content-type": "application/octet-stream",
                     "x-transfer-id": transfer_id,
                     "x-replica": str(rank),
-                    "x-kind": "state" if n >= len(messages) - states else "page",
+                    "x-kind": kind,
                     "x-page-size": str(page_size),
                     "x-prompt-tokens": str(len(body["prompt"])),
                 },
             )
             sent += len(part)
         counted = sent // plan["copies"] if "transfer_bytes_ignore_fanout" in e.faults else sent
-        if "state_bytes_cross_terms" in e.faults and states:
+        if "state_bytes_cross_terms" in e.faults and states_sent:
             # (sum of the components' index counts) x (sum of their sizes), per copy
             counted += (len(plan["states"]) - 1) * sum(plan["states"]) * plan["copies"]
         if "transfer_bytes_include_headers" in e.faults:
