@@ -8,6 +8,14 @@ runs its data plane against a decode pool: it groups the pages into contiguous r
 lengths. Then we count the bytes of the pages the decode side reserved for the request that
 hold the prefill's KV afterwards, page by page.
 
+What it reads of SGLang 0.5.23 (disaggregation/mooncake/conn.py): send_kvcache (line 1346)
+-> _send_kvcache_generic (1019: kv_args.kv_data_ptrs / kv_item_lens / kv_layer_ids,
+is_mla_backend, is_hybrid_mla_backend, state_strides_validated, pp_size, enable_custom_mem_pool,
+max_transfer_batch_indices) -> _transfer_data (817) -> engine.batch_transfer_sync; the K/V
+pointer split is CommonKVManager.get_mha_kv_ptrs_with_pp (common/conn.py:1718, reads
+kv_args.prefill_start_layer). A field a later release renames fails the op with its
+AttributeError, never a count of 0.
+
 Stubbed here:
 - the Mooncake transfer engine. batch_transfer_sync is a memmove, and only into the decode
   pool's own buffers: an address outside them is counted, never written;
