@@ -1,9 +1,10 @@
 """The vllm-lmcache churn measure `server_registered_instances` can fail, on the real stack.
 
 A churn cycle judges the instances the LMCache server still holds registered after a vLLM
-instance left (GET /status). A clean restart unregisters (0 every cycle), so the measure has
-only been seen holding; here a vLLM killed with SIGKILL, which never unregisters, must read
-as still registered (LMCache's reaper drops it only after its >= 30 s timeout).
+instance left (GET /status). A restart given its stop grace unregisters (0 every cycle), so
+the churn sees the measure hold; here a vLLM killed with SIGKILL, which never unregisters, must
+read as still registered (LMCache's reaper drops it only after its >= 30 s timeout). vLLM's
+default grace of 0 lands between the two, a race (adapter.SHUTDOWN_GRACE_S).
 
 Skipped where the environment is not built (kvconform env build vllm-lmcache).
 """
