@@ -12,7 +12,7 @@ from kvconform import envs
 from kvconform.adapters.lmcache.adapter import LmcacheAdapter
 from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
 from kvconform.adapters.trtllm.adapter import TrtllmAdapter
-from kvconform.adapters.vllm.adapter import VllmAdapter
+from kvconform.adapters.vllm.adapter import SHUTDOWN_GRACE_S, VllmAdapter
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import UsageError
 from kvconform.plugin.session import load_profiles
@@ -108,6 +108,15 @@ def test_vllm_default_profile_keeps_the_tiny_cpu_model(tmp_path: Path):
     assert argv[:2] == ["serve", "/placeholder/model"]
     assert "--load-format dummy" in " ".join(argv) and "--kv-cache-memory-bytes 8388608" in " ".join(argv)
     assert adapter.served_model_name() == "tiny" and adapter.kv_pool_bytes() == 8 * 2**20
+
+
+def test_vllm_gets_a_stop_grace_a_profile_may_override(tmp_path: Path):
+    argv = VllmAdapter(AdapterContext(workdir=tmp_path)).command_argvs()[0]
+    assert argv[argv.index("--shutdown-timeout") + 1] == str(SHUTDOWN_GRACE_S)
+    own = {"engine": "vllm", "model": "m", "extra_args": ["--shutdown-timeout", "30"]}
+    profile = LaunchProfile.from_dict(own)
+    argv = VllmAdapter(AdapterContext(workdir=tmp_path, profile=profile)).command_argvs()[0]
+    assert argv[-2:] == ["--shutdown-timeout", "30"]  # vLLM's parser keeps the last
 
 
 def test_connector_profile_has_no_offload_variant(tmp_path: Path):

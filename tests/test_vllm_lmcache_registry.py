@@ -4,7 +4,7 @@ A churn cycle judges the instances the LMCache server still holds registered aft
 instance left (GET /status). A restart given its stop grace unregisters (0 every cycle), so
 the churn sees the measure hold; here a vLLM killed with SIGKILL, which never unregisters, must
 read as still registered (LMCache's reaper drops it only after its >= 30 s timeout). vLLM's
-default grace of 0 lands between the two, a race (adapter.SHUTDOWN_GRACE_S).
+default grace of 0 lands between the two, a race (vllm/adapter.py SHUTDOWN_GRACE_S).
 
 Skipped where the environment is not built (kvconform env build vllm-lmcache).
 """
