@@ -4,7 +4,11 @@ Every engine that emits KV events feeds the same ledger, in one plain form. The 
 rebuilds the resident block set from the history alone (Jepsen's discipline: record, then
 judge with an independent model) and reports:
   - remove_unknown: a block removed that was never stored (or stored only before a clear);
-  - double_remove: a block removed again after its removal, with no store in between;
+  - double_remove: a block removed more times than it was stored since it was last gone (its
+    copies counted: a hash may be cached in several physical blocks, each announced stored and
+    each announced removed, as vLLM 0.32.0 does — block_pool.py's NOTE #1; such a stream balances
+    as a multiset, and Dynamo's EventDedupFilter and llm-d refcount it. Copies are counted and
+    recorded, never judged);
   - seq_gap: sequence numbers the engine skipped (transport losses are filled by replay
     before judging, where the engine offers one, so a gap is the engine's own);
   - seq_regress: a sequence number repeated or going backwards (also as the engine sent them:
@@ -64,17 +68,18 @@ class LedgerVerdict:
     stored: int
     removed: int
     cleared: int
-    resident: dict[str, set[str]]
+    resident: dict[str, Counter[str]]  # medium -> hash -> copies resident
     violations: list[Violation] = field(default_factory=list)
-    restored_resident: int = 0  # store of a block already resident (counted, not a violation)
+    restored_resident: int = 0  # store of a hash already resident: another copy (not a violation)
+    copies_removed_while_resident: int = 0  # a removal that left another copy of its hash resident
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(v.kind for v in self.violations))
 
     def resident_count(self, medium: str | None = None) -> int:
-        if medium is not None:
-            return len(self.resident.get(medium, set()))
-        return sum(len(blocks) for blocks in self.resident.values())
+        """Blocks resident by the ledger, every announced copy counted (physical blocks)."""
+        media = [self.resident.get(medium, Counter())] if medium is not None else self.resident.values()
+        return sum(sum(copies.values()) for copies in media)
 
 
 class UndecodableEvents(KvconformError):
@@ -144,16 +149,18 @@ class EventLedger:
             own = judge(recent)
             verdict.events, verdict.stored = own.events, own.stored
             verdict.removed, verdict.cleared = own.removed, own.cleared
+            verdict.restored_resident = own.restored_resident
+            verdict.copies_removed_while_resident = own.copies_removed_while_resident
             verdict.violations = [v for v in verdict.violations if first is not None and v.seq >= first]
         return verdict
 
 
 def judge(history: list[KvEvent]) -> LedgerVerdict:
     ordered = sorted(history, key=lambda e: (e.seq, e.sub))
-    resident: dict[str, set[str]] = {}
+    resident: dict[str, Counter[str]] = {}
     removed_since_store: dict[str, set[str]] = {}
     violations: list[Violation] = []
-    stored = removed = cleared = restored = 0
+    stored = removed = cleared = restored = copy_removed = 0
     previous: tuple[int, int] | None = None
     for event in ordered:
         if previous is not None:
@@ -165,21 +172,25 @@ def judge(history: list[KvEvent]) -> LedgerVerdict:
                     Violation("seq_gap", event.seq, detail=f"{previous[0]} -> {event.seq}: {missing} missing")
                 )
         previous = (event.seq, event.sub)
-        live = resident.setdefault(event.medium, set())
+        live = resident.setdefault(event.medium, Counter())
         gone = removed_since_store.setdefault(event.medium, set())
         if event.kind == "stored":
             for block in event.block_hashes:
                 stored += 1
-                if block in live:
+                if live[block] > 0:
                     restored += 1
-                live.add(block)
+                live[block] += 1
                 gone.discard(block)
         elif event.kind == "removed":
             for block in event.block_hashes:
                 removed += 1
-                if block in live:
-                    live.discard(block)
-                    gone.add(block)
+                if live[block] > 0:
+                    live[block] -= 1
+                    if live[block]:
+                        copy_removed += 1
+                    else:
+                        del live[block]
+                        gone.add(block)
                 elif block in gone:
                     violations.append(Violation("double_remove", event.seq, block, f"medium {event.medium}"))
                 else:
@@ -188,7 +199,7 @@ def judge(history: list[KvEvent]) -> LedgerVerdict:
             cleared += 1
             live.clear()
             gone.clear()
-    return LedgerVerdict(len(ordered), stored, removed, cleared, resident, violations, restored)
+    return LedgerVerdict(len(ordered), stored, removed, cleared, resident, violations, restored, copy_removed)
 
 
 def hash_text(value: Any) -> str:

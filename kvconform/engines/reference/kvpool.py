@@ -121,13 +121,12 @@ class BlockPool:
         """Register a full, computed block in the prefix index."""
         current = self.index.get(block_hash)
         if current is not None and self.blocks[current].hash == block_hash:
-            if "duplicate_copy_removed_each" not in self.faults:
+            if "copy_stored_once_removed_each" not in self.faults:
                 return  # another request cached the same prefix meanwhile; keep the first
-            # The duplicate physical copy is kept and announced too; each copy's eviction
-            # then announces the hash's removal (the index keeps the first copy).
+            # The duplicate physical copy keeps the hash, unannounced (stores de-duplicated);
+            # each copy's eviction still announces the hash's removal.
             block = self.blocks[block_id]
             block.hash, block.parent = block_hash, parent
-            self.on_event("stored", [block_hash], parent, self.block_size)
             return
         block = self.blocks[block_id]
         block.hash, block.parent = block_hash, parent

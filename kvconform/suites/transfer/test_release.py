@@ -38,6 +38,10 @@ def judge_ledger(engine: EngineAdapter, verdict: Verdict, mark: int) -> LedgerVe
     verdict.record("blocks_stored", judged.stored)
     verdict.record("blocks_removed", judged.removed)
     verdict.record("gaps_filled_from_replay", filled)
+    # Copies of a hash (stored again while resident, removed while another copy stays) are the
+    # engine's documented semantics where it keeps physical copies: recorded, not judged.
+    verdict.record("hash_copies_stored", judged.restored_resident, "blocks")
+    verdict.record("copies_removed_while_resident", judged.copies_removed_while_resident, "blocks")
     for kind in ("seq_gap", "seq_regress", "double_remove", "remove_unknown"):
         found = [v for v in judged.violations if v.kind == kind]
         verdict.equal(kind, len(found), 0, note="; ".join(str(v) for v in found[:4]))
@@ -77,8 +81,9 @@ def test_event_ledger_consistent(
     for i in range(6):
         engine.serve_prompt(prompts.extend(system, 8 * block + i))
     # A block-aligned prompt served twice: its last block is recomputed (the last-token rule)
-    # into a second physical copy of a cached hash. However many copies the engine keeps,
-    # the events must announce the hash's removal once (vLLM #48933, #55092).
+    # into a second physical copy of a cached hash. An engine may announce each copy (vLLM
+    # 0.32.0 does, block_pool.py NOTE #1): its removals must then balance its stores, never
+    # outnumber them.
     aligned = prompts.fresh(4 * block)
     engine.serve_prompt(aligned)
     engine.serve_prompt(aligned)
