@@ -42,11 +42,14 @@ FAULTS: dict[str, Fault] = {
         "Dynamo #11644: terminal ownership of a request split between prefill and decode",
         ("active_blocks_after_all_freed",),
     ),
-    "double_free_answers_200": Fault(
-        "free of an unknown or already freed request answers 200",
+    "double_free_releases_again": Fault(
+        "a second free of a request releases its blocks again, taking the shared prefix another "
+        "live request still holds",
         _CHECK,
-        "an idempotent free that makes double frees invisible",
-        ("free_unknown_request_status",),
+        "a double free that is not idempotent: the reference count of a shared prefix "
+        "decremented twice for one request (the accounting an idempotent free, as Dynamo 1.6.1's, "
+        "must keep exact)",
+        ("active_blocks_after_second_free",),
     ),
     "duplicate_add_overwrites": Fault(
         "add with a live request id answers 201 and replaces that request's blocks",
@@ -76,8 +79,8 @@ FAULTS: dict[str, Fault] = {
     "prefill_complete_unknown_answers_200": Fault(
         "prefill_complete of an unknown (or already freed) request answers 200",
         _CHECK,
-        "the idempotent answer Dynamo 1.6.1's slot tracker gives a second free "
-        "(known-failures.toml), on the prefill_complete route",
+        "an idempotent answer (Dynamo 1.6.1's slot tracker gives one to a second free, by design) "
+        "on the prefill_complete route, where Dynamo answers 404",
         ("prefill_complete_unknown_request_status",),
     ),
     "unregister_unknown_answers_200": Fault(
@@ -95,6 +98,7 @@ class BlockTracker:
         self.workers: dict[tuple[str, int], dict[str, Any]] = {}
         self.requests: dict[tuple[str, str], dict[str, Any]] = {}
         self.decoding: dict[tuple[str, str], dict[str, Any]] = {}  # prefill_complete_orphans_blocks
+        self.freed: dict[tuple[str, str], dict[str, Any]] = {}  # double_free_releases_again
         self.active: Counter[tuple[str, int, int, tuple[int, ...]]] = Counter()
 
     def call(self, method: str, path: str, body: Any) -> tuple[int, Any]:
@@ -187,11 +191,16 @@ class BlockTracker:
         key = (body["model_name"], str(body["request_id"]))
         req = self.requests.pop(key, None)
         if req is None:
-            if self.fault == "double_free_answers_200" or key in self.decoding:
+            if key in self.decoding:
                 self.decoding.pop(key, None)  # orphaned: forgotten without releasing its blocks
+                return 200, {"request_id": key[1]}
+            if key in self.freed:
+                self._release(key[0], self.freed[key])  # the fault's second release
                 return 200, {"request_id": key[1]}
             return 404, {"error": f"unknown request {key[1]}"}
         self._release(key[0], req)
+        if self.fault == "double_free_releases_again":
+            self.freed[key] = req
         return 200, {"request_id": key[1]}
 
     def _release(self, model: str, req: dict[str, Any]) -> None:

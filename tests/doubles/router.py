@@ -5,7 +5,8 @@ Not an engine. The worker caches full blocks under chained hashes, evicts cached
 when its pool is full and always recomputes the prompt's last token (a repeated prompt of n
 tokens hits floor((n - 1) / block) blocks); every stored block and every eviction is a KV
 event. The router applies the events to its own index and predicts, for a prompt, the longest
-chain of its blocks the index holds, under the same last-token rule; it counts the events it
+chain of its full blocks the index holds (cached blocks: a router models no engine's
+last-token rule); it counts the events it
 applied by status, as Dynamo's kv_cache_events_applied{status} does ("ok", "block_not_found",
 ...), and the blocks of requests in flight (active_blocks). router_event_status(before, after)
 reads the event counters from two metric snapshots.
@@ -29,28 +30,20 @@ ACTIVE_METRIC = "router_active_blocks"
 NUM_BLOCKS = 64
 
 FAULTS: dict[str, Fault] = {
-    "router_ignores_last_token": Fault(
-        "the router predicts every full block of a cached prompt, ignoring that the worker "
-        "recomputes the last prompt token (block-aligned repeats are over-predicted by a block)",
-        _CHECK,
-        "Dynamo 1.6.1 (finding): router overlap counted whole blocks where the worker's "
-        "cached_tokens stops one block short",
-        ("mispredicted_requests", "predictions_off_oracle"),
-    ),
     "router_applies_no_events": Fault(
         "the router never receives the worker's KV events (subscribed to nothing): its index "
         "stays empty, it predicts 0 and its applied-events counter stays at 0",
         _CHECK,
         "a router whose event subscription is misconfigured (Dynamo kv_cache_events_applied "
         "with no ok events)",
-        ("mispredicted_requests", "predictions_off_oracle", "router_events_applied_ok"),
+        ("predictions_off_oracle", "router_events_applied_ok"),
     ),
     "router_drops_removed_events": Fault(
         "the router fails to apply removed events (status block_not_found) and keeps the "
         "evicted blocks in its index, so it predicts prefixes the worker no longer holds",
         _CHECK,
         "Dynamo RadixTree dropping removals it cannot place (stale router state)",
-        ("mispredicted_requests", "predictions_off_oracle", "router_events_not_applied_ok"),
+        ("predictions_off_oracle", "router_events_not_applied_ok"),
     ),
     "active_blocks_never_drain": Fault(
         "the router adds a request's blocks to its active-block count and never subtracts them "
@@ -128,9 +121,8 @@ class Router:
 
     def predict(self, tokens: list[int]) -> int:
         hashes = chain_hashes(tokens, self.block)
-        limit = len(hashes) if self.fault == "router_ignores_last_token" else (len(tokens) - 1) // self.block
         matched = 0
-        for h in hashes[:limit]:
+        for h in hashes:
             if h not in self.index:
                 break
             matched += 1

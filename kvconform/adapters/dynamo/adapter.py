@@ -28,6 +28,7 @@ from kvconform.errors import EngineError, EngineStartError
 from kvconform.kit.drivers import DriverProcess, engine_side_script
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot
+from kvconform.polling import seconds_until_steady
 from kvconform.processes import TeardownReport, free_port
 
 DRIVERS = Path(__file__).resolve().parent / "drivers"  # run inside the engine's environment
@@ -267,6 +268,7 @@ class DynamoAdapter(EngineAdapter):
     def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
         """The router's prediction for this request: nvext.timing.kv_hit_rate is matched
         blocks / prompt blocks, so matched tokens = rate x ceil(n / block) x block."""
+        self._wait_router_caught_up()
         data = self._complete(tokens, 1)
         served = self.served_from_openai(data, tokens)
         rate = ((data.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
@@ -274,6 +276,21 @@ class DynamoAdapter(EngineAdapter):
             raise EngineError(self.name, f"response lacks nvext.timing.kv_hit_rate: {data.get('nvext')}")
         block = self.block_size()
         return round(float(rate) * math.ceil(len(tokens) / block)) * block, served
+
+    def _wait_router_caught_up(self, quiet_s: float = 0.3, timeout_s: float = 5.0) -> None:
+        """The router applies KV events asynchronously (eventually consistent by design): route
+        once its applied-events counter has stopped moving, so a prediction is judged against
+        the events of the requests before it, not against the transport's lag."""
+        name = self.metric_names["router_events_applied"]
+        last: list[float] = []
+
+        def settled() -> bool:
+            total = self.metrics().value(name, 0.0)
+            moved = not last or last[-1] != total
+            last.append(total)
+            return not moved
+
+        seconds_until_steady(settled, timeout_s, quiet_s)
 
     def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
         """KV events the router applied since `before`, by status (ok, parent_block_not_found,

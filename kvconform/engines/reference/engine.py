@@ -346,11 +346,12 @@ class ReferenceEngine:
             return ok
 
     def router_predict(self, tokens: list[int]) -> int:
-        """The router's view: longest chain of the prompt's blocks its index holds."""
+        """The router's view: longest chain of the prompt's full blocks its index holds (cached
+        blocks, as Dynamo's router counts them: no engine's last-token rule)."""
         bs = self.s.block_size
         with self.lock:
             matched = 0
-            for h in chain_hashes(tokens, bs)[: (len(tokens) - 1) // bs]:
+            for h in chain_hashes(tokens, bs)[: len(tokens) // bs]:
                 if h not in self.router_index:
                     break
                 matched += 1

@@ -68,7 +68,6 @@ FAULTS: dict[str, Fault] = {
             "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:cached_tokens_in_response",
             "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:prefix_hits_counter_delta",
             "prefix_reuse::test_block_size_sweep:points_off_oracle",
-            "prefix_reuse::test_router_prediction_matches_worker:mispredicted_requests",
             "prefix_reuse::test_router_prediction_matches_worker:served_cached_off_oracle",
         ),
     ),
@@ -94,7 +93,7 @@ FAULTS: dict[str, Fault] = {
         "the router-side prefix index ignores removed events",
         ("prefix_reuse::test_router_prediction_matches_worker",),
         "Dynamo RadixTree dropping removals it cannot place (stale router state)",
-        ("mispredicted_requests", "predictions_off_oracle"),
+        ("predictions_off_oracle",),
     ),
     "leak_on_unregister": Fault(
         "unregister drops the instance from the registry but keeps its memory mapped",
@@ -382,8 +381,8 @@ FAULTS: dict[str, Fault] = {
         "the response counts the prompt's last full block as cached although the last-token rule "
         "recomputed it",
         ("prefix_reuse::test_repeated_prompt_served_from_cache",),
-        "the usage-side twin of hit_counter_drift; Dynamo 1.6.1's router predicts exactly this "
-        "(our finding on test_router_prediction_matches_worker)",
+        "the usage-side twin of hit_counter_drift (a router's prediction counts that block, "
+        "by design: it predicts cached blocks, not served tokens)",
         ("cached_tokens_in_response",),
     ),
     "queries_counted_on_hit_only": Fault(
@@ -433,12 +432,14 @@ FAULTS: dict[str, Fault] = {
         "while stores land",
         ("l2_stores_completed",),
     ),
-    "duplicate_copy_removed_each": Fault(
+    "copy_stored_once_removed_each": Fault(
         "a hash cached in two physical blocks (the last block of a repeated block-aligned prompt, "
-        "recomputed) is announced stored twice and removed once per copy",
+        "recomputed) is announced stored once (stores de-duplicated) but removed once per copy, "
+        "so its removals outnumber its stores",
         ("transfer::test_event_ledger_consistent",),
-        "vLLM #48933 / #55092: every physical eviction of a duplicated hash emits BlockRemoved, so a "
-        "consumer drops a still-cached hash (Dynamo #8012 and llm-d #680 added dedup filters for it)",
+        "a half-done de-duplication of vLLM's per-copy events (vLLM #48933 / #55092 propose "
+        "de-duplicating them; vLLM 0.32.0 announces every copy both ways, which balances): a "
+        "consumer that refcounts (Dynamo #8012, llm-d #680) drops a hash still cached",
         ("double_remove",),
     ),
     "event_batch_resent": Fault(

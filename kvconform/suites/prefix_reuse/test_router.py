@@ -1,14 +1,20 @@
-"""A KV-aware router predicts, for every request, the cached prefix the worker then reports.
+"""A KV-aware router predicts, for every request, the cached blocks its worker holds.
 
 The router's index is built from the workers' KV events; a removal it misses (or a block it
 misplaces) turns into a prediction the worker does not honour. The workload mixes shared
 prefixes, repeats and evictions so that stores and removals both reach the router.
 
-Both the prediction and what the worker served are also judged against our own oracle: the
-whole blocks a request shares with a prompt served before it in the same phase (the router
-sends it to the worker holding them; the first phase starts cold and the eviction fill
-empties every worker), one token fewer where the engine computes the last prompt token.
-Without it a router predicting 0 for a worker serving 0 would pass.
+Each side is judged in its own unit against our own oracle, the longest prefix a request
+shares with a prompt served before it in the same phase (the router sends it to the worker
+holding it; the first phase starts cold and the eviction fill empties every worker):
+  - the router's prediction, in blocks: the whole blocks of that prefix the worker holds.
+    A router predicts cached blocks, not served tokens: Dynamo's kv_hit_rate is "predicted KV
+    cache hit rate at routing time", cached blocks / input blocks (prometheus_names.py), and
+    models no engine's last-token rule;
+  - what the worker served, in tokens: those whole blocks, one block fewer where the engine
+    recomputes the last prompt token of a block-aligned full hit.
+Where the two differ by that last block, the difference is recorded, not judged. Without the
+oracle a router predicting 0 for a worker serving 0 would pass.
 """
 
 from __future__ import annotations
@@ -32,10 +38,9 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def oracle_cached(served_before: list[list[int]], tokens: list[int], block: int, last_token: bool) -> int:
-    """Whole blocks of the longest prefix `tokens` shares with a prompt served before it."""
-    shared = max((shared_prefix(tokens, prev) for prev in served_before), default=0)
-    return prefix_hit_tokens(shared, len(tokens), block, last_token)
+def longest_shared(served_before: list[list[int]], tokens: list[int]) -> int:
+    """The longest prefix `tokens` shares with a prompt served before it."""
+    return max((shared_prefix(tokens, prev) for prev in served_before), default=0)
 
 
 def test_router_prediction_matches_worker(
@@ -47,31 +52,46 @@ def test_router_prediction_matches_worker(
     workload = [prompts.extend(system, 6 * block + i) for i in range(4)]
     workload += [workload[0], workload[2]]
     before = engine.metrics()
-    mismatches, predicted_off, served_off = [], [], []
+    predicted_off, served_off, last_block_apart = [], [], []
     rows = []
     for phase in ("warm", "after_eviction"):
         if phase == "after_eviction":
             fill_cache(engine, prompts)
         served_before: list[list[int]] = []
         for tokens in workload:
-            expected = oracle_cached(served_before, tokens, block, engine.recomputes_last_token)
-            predicted, served = engine.serve_routed(tokens)
+            shared = longest_shared(served_before, tokens)
+            held_blocks = shared // block  # the router's oracle: blocks the worker holds
+            expected = prefix_hit_tokens(shared, len(tokens), block, engine.recomputes_last_token)
+            predicted_tokens, served = engine.serve_routed(tokens)
+            predicted = predicted_tokens // block
             served_before.append(tokens)
-            rows.append((phase, len(tokens), predicted, served.cached_tokens, expected))
-            where = f"{phase} len={len(tokens)} predicted={predicted} cached={served.cached_tokens}"
-            if predicted != served.cached_tokens:
-                mismatches.append(where)
-            if predicted != expected:
-                predicted_off.append(f"{where} oracle={expected}")
+            rows.append((phase, len(tokens), predicted, held_blocks, served.cached_tokens, expected))
+            where = f"{phase} len={len(tokens)} predicted={predicted} blocks, cached={served.cached_tokens}"
+            if predicted != held_blocks:
+                predicted_off.append(f"{where}: oracle {held_blocks} blocks")
             if served.cached_tokens != expected:
-                served_off.append(f"{where} oracle={expected}")
+                served_off.append(f"{where}: oracle {expected} tokens")
+            if predicted * block - served.cached_tokens == block and expected == (held_blocks - 1) * block:
+                last_block_apart.append(where)
     verdict.record("requests", len(rows))
-    verdict.record("predicted_vs_cached_vs_oracle", "; ".join(f"{p}/{c}/{o}" for _ph, _n, p, c, o in rows))
     verdict.record(
-        "oracle_cached_tokens_total", sum(o for *_r, o in rows), "tokens", note="hits are expected"
+        "predicted_blocks_vs_oracle__cached_tokens_vs_oracle",
+        "; ".join(f"{p}/{h} {c}/{o}" for _ph, _n, p, h, c, o in rows),
     )
-    verdict.equal("mispredicted_requests", len(mismatches), 0, note="; ".join(mismatches[:6]))
-    verdict.equal("predictions_off_oracle", len(predicted_off), 0, note="; ".join(predicted_off[:6]))
+    verdict.record("oracle_cached_tokens_total", sum(r[-1] for r in rows), "tokens", note="hits are expected")
+    verdict.record(
+        "predicted_one_block_above_served",
+        len(last_block_apart),
+        "requests",
+        note="the worker's last-token rule, which the router does not model: recorded, not judged; "
+        + "; ".join(last_block_apart[:4]),
+    )
+    verdict.equal(
+        "predictions_off_oracle",
+        len(predicted_off),
+        0,
+        note="router prediction in blocks vs the blocks the worker holds; " + "; ".join(predicted_off[:6]),
+    )
     verdict.equal("served_cached_off_oracle", len(served_off), 0, note="; ".join(served_off[:6]))
     after = engine.metrics()
     applied = engine.router_event_status(before, after)
