@@ -41,13 +41,6 @@ FAULTS: dict[str, Fault] = {
         "use-after-free of a running request's KV: a lock not consulted on the eviction path",
         ("invariant_violations",),
     ),
-    "unlock_underflow": Fault(
-        "unlock of an unlocked page is accepted and drives lock_ref below 0, so a later lock "
-        "protects nothing",
-        ("prefix_reuse::test_radix_unlock_without_lock_refused",),
-        "SGLang RadixCache.dec_lock_ref has no guard against unbalanced unlocks",
-        ("locked_tokens_kept_after_evict",),
-    ),
     "evict_leaks_slots": Fault(
         "evicted pages leave the tree but their slots never return to the allocator",
         (f"{_CHECK}[1]",),
@@ -197,7 +190,7 @@ class RadixCache:
 
     def unlock(self, handle: int) -> dict[str, Any]:
         node = self.node(handle)
-        if node is not self.root and node.lock_ref <= 0 and self.fault != "unlock_underflow":
+        if node is not self.root and node.lock_ref <= 0:
             raise ValueError(f"unlock of page {node.id}, which nobody locked (lock_ref {node.lock_ref})")
         n: _Page | None = node
         while n is not None and n is not self.root:

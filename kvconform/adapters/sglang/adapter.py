@@ -44,9 +44,19 @@ INPROCESS_CAPABILITIES = frozenset(
         C.KV_EVENTS,
         C.PAGE_INDEX,
         C.TRANSFER_ACCOUNTING,
-        C.RELEASE_GUARD,
         C.RADIX_CACHE_MODEL,
     }
+)
+
+# Not judged in-process: SGLang reaches release_kv_cache only through callers that guard a second
+# release (0.5.23 disaggregation/prefill.py: _retire_aborted_prefill_result,
+# release_aborted_prefill_waiting_req, handle_bootstrap_failure); its asserts check that caller
+# contract. Calling it twice ourselves is a path SGLang never takes (withdrawn finding, see
+# docs/findings.md). The shipped double release (grammar error, fixed by SGLang #30937) lives
+# in a disaggregated prefill scheduler, which this in-process driver does not run.
+RELEASE_GUARD_GAP = (
+    "SGLang calls release_kv_cache only from callers that guard a second release; the in-process "
+    "driver has no path of SGLang's own that releases twice"
 )
 
 
@@ -65,6 +75,9 @@ class SglangAdapter(EngineAdapter):
             raise UsageError("engine sglang is in-process: attach to a server with --engine sglang-server")
         self.driver: DriverProcess | None = None
         self.seq = 0
+
+    def capability_gaps(self) -> dict[Capability, str]:
+        return {C.RELEASE_GUARD: RELEASE_GUARD_GAP}
 
     @property
     def version(self) -> str:
@@ -260,25 +273,6 @@ class SglangAdapter(EngineAdapter):
                 "send_status": result.get("send_status"),
             },
         )
-
-    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
-        """SGLang's release_kv_cache twice on the abort/failure path (checkpoint=False). An
-        AssertionError is a crash: raised in the scheduler's event loop it ends the server."""
-        result = self.call("double_release", token_ids=tokens, checkpoint=False)
-        first, second = result["first"], result["second"]
-        raised = second.get("raised")
-        if raised == "AssertionError":
-            outcome = "crashed"
-        elif raised is not None:
-            outcome = "refused"
-        else:
-            outcome = "ran_again" if int(second["free_delta"]) else "ignored"
-        return {
-            "first_freed_tokens": int(first["free_delta"]),
-            "second_outcome": outcome,
-            "free_delta_on_second": int(second["free_delta"]),
-            "detail": f"{raised or 'no error'}: {second.get('message') or ''}",
-        }
 
     def log_tail(self, lines: int = 40) -> str:
         return self.driver.log_tail(lines) if self.driver else ""

@@ -171,27 +171,3 @@ def test_radix_cache_state_machine(engine: EngineAdapter, page: int, verdict: Ve
     verdict.require("steps_checked", len(stats_log), ">=", 50, note="the machine must really have run")
     verdict.equal("invariant_violations", int(bool(violation)), 0, note=violation[:400])
     verdict.conclude()
-
-
-def test_radix_unlock_without_lock_refused(engine: EngineAdapter, verdict: Verdict) -> None:
-    """Unlocking a node nobody locked must be refused, or a later lock protects nothing."""
-    engine.radix_new(1, 64)
-    engine.radix("insert", token_ids=list(range(1, 11)))
-    handle = engine.radix("match", token_ids=list(range(1, 11)))["handle"]
-    try:
-        engine.radix("unlock", handle=handle)
-        refused = False
-    except Exception:  # the engine raising is the refusal we want
-        refused = True
-    engine.radix("lock", handle=handle)
-    engine.radix("evict", num_tokens=64)
-    kept = engine.radix("match", token_ids=list(range(1, 11)))["prefix_len"]
-    verdict.record("unbalanced_unlock_refused", int(refused))
-    verdict.equal(
-        "locked_tokens_kept_after_evict",
-        kept,
-        10,
-        "tokens",
-        note="locked after an unbalanced unlock; evict must not take them",
-    )
-    verdict.conclude()

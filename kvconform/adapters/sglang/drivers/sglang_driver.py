@@ -570,55 +570,6 @@ def op_reset(mode: str = "flush") -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# Ops: release guard
-# --------------------------------------------------------------------------------------------
-
-
-def op_double_release(
-    token_ids: list[int],
-    checkpoint: bool = True,
-    extra_key: str | None = None,
-    cache_salt: str | None = None,
-) -> dict:
-    """Admit one request (as in insert path="request"), mark it finished, then call
-    mem_cache.common.release_kv_cache twice — what the disaggregated prefill path
-    (disaggregation/prefill.py: process_disagg_prefill_inflight_queue on KVPoll.Success,
-    checkpoint=True; abort/failure paths, checkpoint=False) calls once per request."""
-    s = _session()
-    req = s.new_req(token_ids, extra_key, cache_salt)
-    admitted = s.admit(req)
-    req.finished_reason = FINISH_LENGTH(length=0)
-    calls = []
-    for _ in range(2):
-        before = s.stats()
-        entry: dict[str, Any] = {"available_before": before["available_size"]}
-        try:
-            release_kv_cache(req, s.cache, checkpoint=bool(checkpoint))
-            entry["raised"] = None
-        except AssertionError as exc:
-            entry["raised"] = "AssertionError"
-            entry["message"] = str(exc)
-        except Exception as exc:
-            entry["raised"] = type(exc).__name__
-            entry["message"] = str(exc)
-        after = s.stats()
-        entry["available_after"] = after["available_size"]
-        entry["free_delta"] = after["available_size"] - before["available_size"]
-        entry["total_size_after"] = after["total_size"]
-        entry["holds_kv_after"] = bool(req.kv.holds_kv)
-        entry["is_kv_released_after"] = bool(req.kv.is_kv_released)
-        calls.append(entry)
-    return {
-        "admit": {k: v for k, v in admitted.items() if k != "allocated_indices"},
-        "first": calls[0],
-        "second": calls[1],
-        "guard_fired": calls[1]["raised"] is not None,
-        "second_changed_free_count": calls[1]["free_delta"] != 0,
-        "stats": s.stats(),
-    }
-
-
-# --------------------------------------------------------------------------------------------
 # Ops: disaggregation accounting
 # --------------------------------------------------------------------------------------------
 
@@ -877,7 +828,6 @@ HANDLERS = {
     "stats": op_stats,
     "take_events": op_take_events,
     "reset": op_reset,
-    "double_release": op_double_release,
     "kv_to_page_indices": op_kv_to_page_indices,
     "transfer_manager_new": op_transfer_manager_new,
     "transfer_resolve": op_transfer_resolve,
