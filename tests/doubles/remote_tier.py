@@ -48,6 +48,9 @@ HEADER = 28  # LMCache's RemoteMetadata: length, shape, dtype, format
 REMOTE_TIMEOUT_S = 31.0
 USAGE, SUBMITTED, COMPLETED = "l2_usage_bytes", "l2_store_submitted_total", "l2_store_completed_total"
 FAILED, L1_USAGE = "l2_store_failed_total", "l1_usage_bytes"
+# store tasks (one per prompt's store), completed whether they succeeded or failed, as LMCache
+# 0.5.6 counts its requests (store_controller.py: L2_STORE_COMPLETED is published for both)
+TASKS_SUBMITTED, TASKS_COMPLETED = "l2_store_submitted_requests_total", "l2_store_completed_requests_total"
 CLIENT_TIMEOUT_S = 1.0  # the remote client's write timeout (the held_writes_abandoned fault)
 FREE_LINK = 16  # bytes an allocator writes into a freed buffer (its free-list link)
 
@@ -197,11 +200,13 @@ FAULTS: dict[str, Fault] = {
         ("remote_refused_writes",),
     ),
     "failed_store_left_pending": Fault(
-        "a refused store counts as submitted and never as completed or failed: it stays in flight for good",
+        "a refused store counts as submitted and never as completed or failed, its task never "
+        "finishes: it stays in flight for good",
         (_PENDING,),
-        "LMCache 0.5.6: l2_store_completed_objects counts successful chunks only and no counter "
-        "counts failed ones (mp_observability/subscribers/metrics/l2.py)",
-        ("l2_pending_objects_after_failed_stores",),
+        "a failure path that skips the completion event (LMCache's store_controller publishes "
+        "L2_STORE_COMPLETED with failed_count on failure; a submit that throws is counted nowhere, "
+        "store_controller.py:662-671)",
+        ("l2_pending_objects_after_failed_stores", "l2_pending_store_tasks_after_failed_stores"),
     ),
     "failed_store_drops_l1": Fault(
         "a refused L2 store also deletes the chunks' L1 copies, as a successful one may "
@@ -343,6 +348,8 @@ class RemoteTierDouble(DoubleAdapter):
         "l2_store_submitted": SUBMITTED,
         "l2_store_completed": COMPLETED,
         "l2_store_failed": FAILED,
+        "l2_store_submitted_requests": TASKS_SUBMITTED,
+        "l2_store_completed_requests": TASKS_COMPLETED,
         "l1_usage_bytes": L1_USAGE,
     }
 
@@ -350,6 +357,7 @@ class RemoteTierDouble(DoubleAdapter):
         super().__init__(ctx)
         self.store = Store()
         self.submitted = self.completed = self.failed = 0
+        self.tasks_submitted = self.tasks_completed = self.tasks_held = 0
         self.held: list[tuple[str, bytes, float]] = []  # writes the store holds: key, value, since
         self.l1_gauge = 0
 
@@ -369,6 +377,7 @@ class RemoteTierDouble(DoubleAdapter):
         self.gauge_bytes = sum(self.l2.values())  # the running gauge (usage_gauge_not_decremented...)
         self.conn = Connection(self.store, self.fault in _DESYNC)
         self.submitted = self.completed = self.failed = 0
+        self.tasks_submitted = self.tasks_completed = self.tasks_held = 0
         self.held, self.l1_gauge = [], 0
 
     def stop(self) -> list[TeardownReport]:
@@ -449,6 +458,17 @@ class RemoteTierDouble(DoubleAdapter):
         return data if intact(key, data, nbytes) else None
 
     def _store_l2(self, chunks: list[tuple[str, int]], kv: list[bytes], hits: int) -> None:
+        before, refused_before, held_before = self.submitted, self.failed + self.store.refused, len(self.held)
+        self._store_chunks(chunks, kv, hits)
+        if self.submitted == before and len(self.held) == held_before:
+            return  # nothing submitted: no task
+        self.tasks_submitted += 1
+        if len(self.held) > held_before:
+            self.tasks_held += 1  # completes when the store releases its writes
+        elif self.failed + self.store.refused == refused_before or self.fault != "failed_store_left_pending":
+            self.tasks_completed += 1
+
+    def _store_chunks(self, chunks: list[tuple[str, int]], kv: list[bytes], hits: int) -> None:
         written = 0
         for i, ((key, _n), data) in enumerate(zip(chunks, kv, strict=True)):
             rewrite = self.fault == "desynced_reads_served_and_rewritten" and i < hits
@@ -506,6 +526,8 @@ class RemoteTierDouble(DoubleAdapter):
         if not self.held or self.store.paused():
             return
         held, self.held = self.held, []
+        self.tasks_completed += self.tasks_held
+        self.tasks_held = 0
         for key, data, since in held:
             slow = time.monotonic() - since > CLIENT_TIMEOUT_S
             if self.fault == "submitted_counted_on_completion":
@@ -568,6 +590,8 @@ class RemoteTierDouble(DoubleAdapter):
             SUBMITTED: {frozenset(): float(self.submitted)},
             COMPLETED: {frozenset(): float(self.completed)},
             FAILED: {frozenset(): float(self.failed)},
+            TASKS_SUBMITTED: {frozenset(): float(self.tasks_submitted)},
+            TASKS_COMPLETED: {frozenset(): float(self.tasks_completed)},
             L1_USAGE: {frozenset(): float(self.l1_gauge)},
         }
         return MetricSnapshot(time.time(), samples)
