@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("baseline")
     gate.add_argument("candidate")
     gate.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    gate.add_argument(
+        "--block-on",
+        action="append",
+        metavar="CLASS",
+        help="finding classes whose new appearance blocks (repeatable; default: defect, "
+        "known-upstream; the others are listed apart)",
+    )
 
     report = sub.add_parser("report", help="turn Allure results into an HTML report")
     report.add_argument("allure_results")
@@ -56,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     dash = sub.add_parser("dashboard", help="engine x check conformance dashboard from results.json")
     dash.add_argument("results_dir", metavar="RESULTS_DIR")
     dash.add_argument("--html", help="where dashboard.html goes (default: RESULTS_DIR/dashboard.html)")
+    repro = sub.add_parser("repro", help="run a defect's standalone reproduction in its engine's environment")
+    repro.add_argument("engine", nargs="?", metavar="ENGINE")
+    repro.add_argument("finding", nargs="?", metavar="FINDING", help="the defect's name (see --list)")
+    repro.add_argument("--list", action="store_true", help="list the defects that have a repro")
+    repro.add_argument("--timeout", type=float, default=600.0, help="seconds before the repro is stopped")
     from kvconform import bisect
 
     bisect.add_arguments(sub.add_parser("bisect", help="first release where a check changed"))
@@ -102,9 +114,16 @@ def _dispatch(args: argparse.Namespace) -> int:
             mutation_matrix=args.mutation_matrix,
         )
     if args.command == "gate":
-        from kvconform.gate import run_gate
+        from kvconform.findings import CLASSES
+        from kvconform.gate import BLOCKING_CLASSES, run_gate
 
-        return run_gate(args.baseline, args.candidate, markdown=args.markdown)
+        block_on = BLOCKING_CLASSES
+        if args.block_on:
+            unknown = sorted(set(args.block_on) - set(CLASSES))
+            if unknown:
+                raise UsageError(f"--block-on {', '.join(unknown)}: want one of {', '.join(CLASSES)}")
+            block_on = frozenset(args.block_on) | {"unclassified"}
+        return run_gate(args.baseline, args.candidate, markdown=args.markdown, block_on=block_on)
     if args.command == "report":
         from pathlib import Path
 
@@ -128,6 +147,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise UsageError("--baseline needs --results (the candidate's results dir)")
         print(generate(args.allure_results, args.out, history=args.history))
         return 0
+    if args.command == "repro":
+        from kvconform import repro as repros
+
+        if args.list or not args.finding:
+            print(repros.list_defects(args.engine))
+            return 0
+        return repros.run(args.engine, args.finding, timeout_s=args.timeout)
     if args.command == "dashboard":
         from kvconform import dashboard
 

@@ -2,7 +2,8 @@
 
     kvconform dashboard RESULTS_DIR [--html PATH]
 
-Each cell reads pass, finding (a known finding: the measure(s) it fails on, with their numbers),
+Each cell reads pass, finding (a known finding, with its class — defect, limitation,
+known-upstream, unconfirmed — and the measure(s) it fails on, with their numbers),
 failed (a new failure: the violated measure, or the first line of the error), skip (the
 capability the engine lacks, or the reason) or "-" (the check does not apply to that engine).
 The header names each engine's version and the platform; rows are grouped by the promise the
@@ -109,6 +110,11 @@ def is_finding(record: dict[str, Any]) -> bool:
     return record.get("outcome") == "xfailed"
 
 
+def finding_class(record: dict[str, Any]) -> str:
+    """A finding's class (kvconform.findings.CLASSES); "unclassified" for records before classes."""
+    return str(record.get("finding_class") or "unclassified")
+
+
 def is_new_failure(record: dict[str, Any]) -> bool:
     return record.get("outcome") in ("failed", "error")
 
@@ -136,7 +142,7 @@ def cell_of(record: dict[str, Any]) -> Cell:
             engine,
             check,
             "finding",
-            f"finding: {measures or first_line(record.get('message', ''))}",
+            f"{finding_class(record)}: {measures or first_line(record.get('message', ''))}",
             first_line(finding, 400),
             finding_link(finding),
         )
@@ -174,6 +180,8 @@ def counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
             out["passed"] += 1
         elif is_finding(r):
             out["findings"] += 1
+            key = f"findings_{finding_class(r)}"
+            out[key] = out.get(key, 0) + 1
         elif r.get("outcome") == "skipped":
             out["skipped"] += 1
         else:
@@ -184,10 +192,22 @@ def counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
 def headline(c: dict[str, int]) -> str:
     """ "N findings, M new failures" (+ passed / skipped), the report's and dashboard's first line."""
     f, n = c.get("findings", 0), c.get("new_failures", 0)
+    classes = [
+        f"{c[key]} {key.removeprefix('findings_')}"
+        for key in sorted(c, key=_class_order)
+        if key.startswith("findings_") and c[key]
+    ]
+    by_class = f" ({', '.join(classes)})" if classes else ""
     return (
-        f"{f} finding{'s' if f != 1 else ''}, {n} new failure{'s' if n != 1 else ''}; "
+        f"{f} finding{'s' if f != 1 else ''}{by_class}, {n} new failure{'s' if n != 1 else ''}; "
         f"{c.get('passed', 0)} passed, {c.get('skipped', 0)} skipped"
     )
+
+
+def _class_order(key: str) -> int:
+    order = ("defect", "known-upstream", "unconfirmed", "limitation", "unclassified")
+    name = key.removeprefix("findings_")
+    return order.index(name) if name in order else len(order)
 
 
 def build(data: dict[str, Any]) -> Dashboard:

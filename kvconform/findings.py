@@ -1,7 +1,18 @@
 """The known-failures manifest: real-engine failures recorded as findings, run as strict xfail.
 
 A finding names the engine, its version, the check, the measure(s) that fail with their
-direction, and the numbers measured when it was found. It applies only to that version: a new
+direction, the numbers measured when it was found, and its class, decided by the engine's own
+contract (its docs, code and tests at that version), never by our policy:
+
+    defect          the engine breaks a promise its own code, docs or tests make (`contract`
+                    cites it); it has a standalone reproduction (`repro`, a script that imports
+                    nothing of ours and exits non-zero while the bug is there) and a draft
+                    upstream report (`report`)
+    limitation      the engine does not promise it (`contract` cites where it says so); `closes`
+                    names the option or release that does, if any
+    known-upstream  a bug already reported upstream (`link` to the open issue or PR)
+    unconfirmed     seen, not yet shown to be the engine's (`contract` says what is missing)
+ It applies only to that version: a new
 release that still fails shows red (update the manifest), one that now passes shows
 XPASS(strict) red too (remove the entry).
 
@@ -31,10 +42,12 @@ from typing import Any
 import pytest
 
 from kvconform.checkids import matches
+from kvconform.errors import UsageError
 
 MANIFEST_NAME = "known-failures.toml"  # in each adapter's package: the findings on its engine
 ENTRY_KEY = pytest.StashKey["Finding"]()
 DIRECTIONS = ("above", "below", "any")
+CLASSES = ("defect", "limitation", "known-upstream", "unconfirmed")
 
 
 @dataclass(frozen=True)
@@ -59,9 +72,20 @@ class Finding:
     measures: tuple[ExpectedMeasure, ...] = ()
     numbers: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     link: str = ""
+    klass: str = "unconfirmed"  # one of CLASSES (`class` in the manifest)
+    contract: str = ""  # the promise broken, cited (or, for a limitation, where none is made)
+    closes: str = ""  # a limitation: the option or release that closes it
+    repro: Path | None = None  # a defect: its standalone reproduction script
+    report: Path | None = None  # a defect: the draft upstream report
+    source: Path | None = None  # the manifest it came from
+
+    @property
+    def name(self) -> str:
+        """The finding's name for `kvconform repro`: its repro script's stem, else its check."""
+        return self.repro.stem if self.repro is not None else self.check
 
     def reason(self) -> str:
-        text = f"finding on {self.engine} {self.version}: {self.summary} (measured: {self.measured})"
+        text = f"{self.klass} on {self.engine} {self.version}: {self.summary} (measured: {self.measured})"
         if self.measures:
             text += "; fails on " + ", ".join(m.describe() for m in self.measures)
         return f"{text} [{self.link}]" if self.link else text
@@ -179,32 +203,52 @@ def load(paths: str | Path | list[str | Path] | None, engines: list[str] | None 
 
 def _load_one(source: Path) -> list[Finding]:
     if not source.exists():
-        from kvconform.errors import UsageError
-
         raise UsageError(f"known-failures manifest {source} does not exist")
     with source.open("rb") as fh:
         data = tomllib.load(fh)
     entries = []
     for i, raw in enumerate(data.get("finding", [])):
         where = f"{source}: finding {i + 1} ({raw.get('check', '?')})"
-        entries.append(
-            Finding(
-                engine=raw["engine"],
-                version=raw["version"],
-                check=raw["check"],
-                measured=raw["measured"],
-                summary=raw["summary"],
-                measures=_expected_measures(raw.get("measures"), where),
-                numbers=_numbers(raw.get("numbers", {}), where),
-                link=raw.get("link", ""),
-            )
+        klass = raw.get("class")
+        if klass not in CLASSES:
+            raise UsageError(f"{where}: `class` is {klass!r}; want one of {', '.join(CLASSES)}")
+        entry = Finding(
+            engine=raw["engine"],
+            version=raw["version"],
+            check=raw["check"],
+            measured=raw["measured"],
+            summary=raw["summary"],
+            measures=_expected_measures(raw.get("measures"), where),
+            numbers=_numbers(raw.get("numbers", {}), where),
+            link=raw.get("link", ""),
+            klass=klass,
+            contract=raw.get("contract", ""),
+            closes=raw.get("closes", ""),
+            repro=source.parent / raw["repro"] if raw.get("repro") else None,
+            report=source.parent / raw["report"] if raw.get("report") else None,
+            source=source,
         )
+        _check_class_fields(entry, where)
+        entries.append(entry)
     return entries
 
 
-def _expected_measures(raw: Any, where: str) -> tuple[ExpectedMeasure, ...]:
-    from kvconform.errors import UsageError
+def _check_class_fields(entry: Finding, where: str) -> None:
+    """Each class carries what a maintainer needs to accept it."""
+    missing = []
+    if not entry.contract:
+        missing.append("`contract` (the promise it breaks, cited; for a limitation, where none is made)")
+    if entry.klass == "known-upstream" and not entry.link:
+        missing.append("`link` (the upstream issue or PR)")
+    if entry.klass == "defect":
+        for label, path in (("repro", entry.repro), ("report", entry.report)):
+            if path is None or not path.is_file():
+                missing.append(f"`{label}` (an existing file beside the manifest; got {path})")
+    if missing:
+        raise UsageError(f"{where}: a {entry.klass} needs " + "; ".join(missing))
 
+
+def _expected_measures(raw: Any, where: str) -> tuple[ExpectedMeasure, ...]:
     if not raw:
         raise UsageError(f"{where}: names no `measures` (the measure(s) that fail, and their direction)")
     if isinstance(raw, dict):
@@ -223,8 +267,6 @@ def _expected_measures(raw: Any, where: str) -> tuple[ExpectedMeasure, ...]:
 
 
 def _numbers(raw: Any, where: str) -> dict[str, float]:
-    from kvconform.errors import UsageError
-
     if not isinstance(raw, dict) or not all(_is_number(v) for v in raw.values()):
         raise UsageError(f"{where}: `numbers` must be a table measure name -> measured number")
     return {str(k): float(v) for k, v in raw.items()}

@@ -6,8 +6,9 @@ BASELINE and CANDIDATE are results directories (holding results.json, or the rec
 run that never merged them) or results.json files. Checks are keyed by engine + check id.
 
 What blocks (exit 1):
-  new failure        the candidate fails (failed/error) or carries a known finding (xfailed) for
-                     a check that the baseline did not fail (passed, skipped, or absent)
+  new failure        the candidate fails (failed/error) or carries a known finding (xfailed) of a
+                     blocking class (default: defect, known-upstream; `--block-on`) for a check
+                     that the baseline did not fail (passed, skipped, or absent)
   missing            a check the baseline ran (passed/failed/...) has no record in the candidate
   no longer run      passed in the baseline, skipped in the candidate: coverage was lost
   measure regression a numeric measure moved beyond its tolerance in the wrong direction
@@ -15,7 +16,9 @@ What blocks (exit 1):
   fails otherwise    a check failing (or a known finding) in both, where the candidate violates
                      a measure the baseline did not, or fails with no violated measure at all
                      (a crash, a timeout, INCONCLUSIVE) where the baseline failed on measures
-What does not: fixed checks, improvements, checks still failing in both on the same measures,
+What does not: a new known finding of a non-blocking class (default: limitation, unconfirmed:
+listed apart as "new limitation" / "new unconfirmed", with the finding's text), fixed checks,
+improvements, checks still failing in both on the same measures,
 new or newly run checks that pass, checks that failed in the baseline and are skipped in the
 candidate.
 
@@ -41,6 +44,9 @@ from kvconform.errors import KvconformError
 from kvconform.results import load_records
 
 FAILING = frozenset({"failed", "error", "inconclusive"})
+# Finding classes (kvconform.findings.CLASSES) whose appearance blocks a release by default; the
+# others are listed apart. A record without a class (written before classes) blocks.
+BLOCKING_CLASSES = frozenset({"defect", "known-upstream", "unclassified"})
 PASSING = frozenset({"passed", "xpassed"})
 KNOWN = "xfailed"
 NOT_RUN = frozenset({"skipped", "deselected"})
@@ -141,14 +147,15 @@ def _read_results_json(path: Path) -> tuple[dict[str, Any], list[Any]]:
 # ------------------------------------------------------------------------------------- comparing
 
 
-def compare(baseline: Results, candidate: Results) -> GateResult:
+def compare(baseline: Results, candidate: Results, block_on: frozenset[str] = BLOCKING_CLASSES) -> GateResult:
+    """`block_on`: the finding classes whose new appearance in the candidate blocks."""
     result = GateResult(baseline, candidate)
     keys = sorted(set(baseline.records) | set(candidate.records))
     for key in keys:
         base = baseline.records.get(key)
         cand = candidate.records.get(key)
         engine, check = key
-        rows = _compare_outcomes(engine, check, base, cand)
+        rows = _compare_outcomes(engine, check, base, cand, block_on)
         if base is not None and cand is not None:
             measure_rows, n = _compare_measures(engine, check, base, cand)
             rows += measure_rows
@@ -173,7 +180,11 @@ def _first_line(rec: dict[str, Any] | None) -> str:
 
 
 def _compare_outcomes(
-    engine: str, check: str, base: dict[str, Any] | None, cand: dict[str, Any] | None
+    engine: str,
+    check: str,
+    base: dict[str, Any] | None,
+    cand: dict[str, Any] | None,
+    block_on: frozenset[str] = BLOCKING_CLASSES,
 ) -> list[Row]:
     b, c = _outcome(base), _outcome(cand)
     transition = f"{b} -> {c}"
@@ -195,7 +206,10 @@ def _compare_outcomes(
     if c == KNOWN:
         finding = str(cand.get("finding") or "").strip()
         detail = transition + (f": {finding}" if finding else "")
-        return [Row("new failure", engine, check, detail, True)]
+        klass = str(cand.get("finding_class") or "unclassified")
+        if klass in block_on:
+            return [Row("new failure", engine, check, detail, True)]
+        return [Row(f"new {klass}", engine, check, detail, False)]
     if c in PASSING:
         if b in FAILING or b == KNOWN:
             return [Row("fixed", engine, check, transition, False)]
@@ -419,7 +433,13 @@ def _platform_warning(result: GateResult) -> str:
     return ""
 
 
-def run_gate(baseline: str, candidate: str, markdown: bool = False, out: TextIO | None = None) -> int:
+def run_gate(
+    baseline: str,
+    candidate: str,
+    markdown: bool = False,
+    out: TextIO | None = None,
+    block_on: frozenset[str] = BLOCKING_CLASSES,
+) -> int:
     """Print the comparison; 1 if anything blocks, 0 if not, 2 on unreadable input."""
     out = out or sys.stdout
     try:
@@ -428,6 +448,6 @@ def run_gate(baseline: str, candidate: str, markdown: bool = False, out: TextIO 
     except GateInputError as exc:
         print(f"kvconform gate: {exc}", file=sys.stderr)
         return 2
-    result = compare(base, cand)
+    result = compare(base, cand, block_on)
     print(render_markdown(result) if markdown else render_plain(result), file=out)
     return 0 if result.passed else 1

@@ -28,13 +28,25 @@ if TYPE_CHECKING:
 
 _environment: dict[str, str] = {}
 
+# organise_results() turns a strict xfail into a failure whose message starts "Known <class> on";
+# pytest's own xfail message starts "XFAIL <class> on" (findings.Finding.reason). Findings come
+# first, by class: a reviewer reads the defects before anything else.
+FINDING_CATEGORIES = {
+    "defect": "Finding: defect (the engine breaks its own contract; standalone repro)",
+    "known-upstream": "Finding: known upstream (an open issue or PR)",
+    "unconfirmed": "Finding: unconfirmed (not yet shown to be the engine's)",
+    "limitation": "Finding: limitation (the engine does not promise it; the option that closes it)",
+    "finding": "Finding: unclassified",
+}
 CATEGORIES = [
-    {
-        # organise_results() turns a strict xfail into a failure whose message starts so
-        "name": "Known finding on an engine (in the manifest, with its upstream link)",
-        "matchedStatuses": ["failed", "broken", "skipped"],
-        "messageRegex": "(?s)(Known finding on |XFAIL finding on ).*",
-    },
+    *(
+        {
+            "name": name,
+            "matchedStatuses": ["failed", "broken", "skipped"],
+            "messageRegex": f"(?s)(Known |XFAIL ){klass} on .*",
+        }
+        for klass, name in FINDING_CATEGORIES.items()
+    ),
     {
         "name": "Engine broke a promise (check failed)",
         "matchedStatuses": ["failed"],
@@ -243,14 +255,16 @@ def finding_title(record: dict[str, Any]) -> str:
     from kvconform import dashboard
 
     measures = "; ".join(dashboard.describe_measure(m) for m in dashboard.violated(record))
-    title = f"known finding: {record['check']}" + (f" — {measures}" if measures else "")
+    title = f"known {dashboard.finding_class(record)}: {record['check']}"
+    title += f" — {measures}" if measures else ""
     return title if len(title) <= 240 else title[:237] + "..."
 
 
 def _finding_description(record: dict[str, Any], link: str) -> str:
     from kvconform import dashboard
 
-    lines = [f"**Known finding** on **{record['engine']} {record.get('engine_version', '')}**", ""]
+    klass = dashboard.finding_class(record)
+    lines = [f"**Known finding ({klass})** on **{record['engine']} {record.get('engine_version', '')}**", ""]
     lines.append(record.get("finding", ""))
     lines.append("")
     bad = dashboard.violated(record)
@@ -395,12 +409,16 @@ def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
         result["name"] = finding_title(record)
         details = result.get("statusDetails") or {}
         original = (details.get("message") or "").removeprefix("XFAIL ")
-        head = f"Known finding on {engine} {record.get('engine_version', '')}: {record.get('finding', '')}"
+        klass = dashboard.finding_class(record)
+        klass = "finding" if klass == "unclassified" else klass
+        reason = str(record.get("finding", ""))
+        reason = reason.split(": ", 1)[1] if reason.startswith(f"{klass} on ") else reason
+        head = f"Known {klass} on {engine} {record.get('engine_version', '')}: {reason}"
         details["message"] = head + ("\n\n" + original if original else "")
         result["statusDetails"] = details
         result["description"] = _finding_description(record, link)
         result.pop("descriptionHtml", None)
-        labels += [_label("tag", FINDING_TAG), _label("finding", FINDING_TAG)]
+        labels += [_label("tag", FINDING_TAG), _label("finding", FINDING_TAG), _label("tag", klass)]
         if link:
             result.setdefault("links", []).append({"type": "issue", "name": f"upstream: {link}", "url": link})
     elif dashboard.is_new_failure(record):

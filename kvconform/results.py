@@ -233,6 +233,7 @@ class CheckRecord:
     message: str = ""
     finding: str = ""  # known-failure manifest entry that expected this
     finding_measures: list[str] = field(default_factory=list)  # the measures it expects VIOLATED
+    finding_class: str = ""  # defect | limitation | known-upstream | unconfirmed (kvconform.findings)
     violated: list[str] = field(default_factory=list)  # the measures this run violated
     # starts, teardowns and waits on each engine during this check (kvconform.timing)
     engine_time: dict[str, dict[str, float]] = field(default_factory=dict)

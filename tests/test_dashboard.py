@@ -5,6 +5,7 @@ as failures with their link, named fixture steps, the gate as quality-gate resul
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ def _record(engine: str, check: str, outcome: str, **kw: Any) -> dict[str, Any]:
         "measures": kw.get("measures", []),
         "message": kw.get("message", ""),
         "finding": kw.get("finding", ""),
+        "finding_class": kw.get("finding_class", ""),
     }
 
 
@@ -47,7 +49,8 @@ RECORDS = [
         "memory_reclaim::test_churn_returns_to_baseline",
         "xfailed",
         measures=[LEAK],
-        finding=f"finding on lmcache 0.5.6: shm kept mapped (measured: +4 MiB/cycle) [{LINK}]",
+        finding=f"defect on lmcache 0.5.6: shm kept mapped (measured: +4 MiB/cycle) [{LINK}]",
+        finding_class="defect",
         message="AssertionError: leak",
     ),
     _record("sglang", "memory_reclaim::test_churn_returns_to_baseline", "passed"),
@@ -89,7 +92,7 @@ def test_cells_headline_and_versions() -> None:
     failed = dash.cell("sglang", "transfer::test_transfer_bytes_reconcile")
     assert failed.state == "failed" and "bytes_delta = 12 B (expected == 0 B)" in failed.text
     assert dash.cell("lmcache", "transfer::test_transfer_bytes_reconcile").state == "absent"
-    assert dashboard.headline(dash.counts).startswith("1 finding, 1 new failure;")
+    assert dashboard.headline(dash.counts).startswith("1 finding (1 defect), 1 new failure;")
     # rows grouped by promise, in the brief's order; the unlock check guards "released once"
     assert (
         dashboard.promise_of("prefix_reuse::test_radix_unlock_without_lock_refused")
@@ -112,7 +115,7 @@ def test_dashboard_command_writes_markdown_and_html(tmp_path: Path, capsys: Any)
     assert cli.main(["dashboard", str(tmp_path), "--html", str(tmp_path / "report" / "dashboard.html")]) == 0
     assert (tmp_path / "dashboard.md").read_text().startswith("# kvconform conformance dashboard")
     assert 'id="dashboard"' in (tmp_path / "report" / "dashboard.html").read_text()
-    assert "1 finding, 1 new failure" in capsys.readouterr().out
+    assert "1 finding (1 defect), 1 new failure" in capsys.readouterr().out
 
 
 def _allure_result(record: dict[str, Any], status: str, message: str = "") -> dict[str, Any]:
@@ -158,10 +161,17 @@ def test_organised_results(tmp_path: Path) -> None:
 
     results = [json.loads(p.read_text()) for p in dst.glob("*-result.json")]
     labels = {r["name"]: {(lab["name"], lab["value"]) for lab in r["labels"]} for r in results}
-    finding = next(r for r in results if r["name"].startswith("known finding: "))
+    finding = next(r for r in results if r["name"].startswith("known defect: "))
     assert finding["status"] == "failed"
     assert "leak_slope = 4.1943e+06 B/cycle" in finding["name"]
-    assert finding["statusDetails"]["message"].startswith("Known finding on lmcache 0.5.6")
+    assert finding["statusDetails"]["message"].startswith("Known defect on lmcache 0.5.6: shm kept mapped")
+    defects = next(c for c in report.CATEGORIES if c["name"] == report.FINDING_CATEGORIES["defect"])
+    assert re.match(defects["messageRegex"], finding["statusDetails"]["message"])
+    assert not any(
+        re.match(c["messageRegex"], finding["statusDetails"]["message"])
+        for c in report.CATEGORIES
+        if c is not defects and "messageRegex" in c and c["name"].startswith("Finding")
+    )
     assert finding["links"] == [{"type": "issue", "name": f"upstream: {LINK}", "url": LINK}]
     assert {
         ("epic", dashboard.MEMORY),
@@ -174,7 +184,7 @@ def test_organised_results(tmp_path: Path) -> None:
     # each check's page: the faults its measures were seen to kill (the mutation matrix)
     assert "**Seen to fail**" in finding["description"]
     assert "- `server_shm_mapped_bytes.leak_slope`: leak_on_unregister" in finding["description"]
-    assert finding["description"].startswith("**Known finding**")
+    assert finding["description"].startswith("**Known finding (defect)**")
     matrix.write_text("not json")
     with pytest.raises(UsageError, match="mutation matrix"):
         report.load_kills(matrix)
@@ -194,7 +204,7 @@ def test_organised_results(tmp_path: Path) -> None:
     assert (
         "kvconform.findings=1" in env and "kvconform.new_failures=1" in env and "platform=NVIDIA H200" in env
     )
-    assert info["headline"].startswith("1 finding, 1 new failure")
+    assert info["headline"].startswith("1 finding (1 defect), 1 new failure")
 
     # the gate as quality-gate results: the verdict, then one failed rule per blocking row
     base_dir, cand_dir = tmp_path / "base", tmp_path / "cand"

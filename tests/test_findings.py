@@ -19,6 +19,8 @@ check = "transfer::test_bytes[mla-4-*]"
 measures = { "bytes_sent" = "below" }
 measured = "sent 1.0x, expected 4.0x"
 summary = "fan-out not counted"
+class = "known-upstream"
+contract = "the metric counts the bytes sent (conn.py)"
 link = "https://example.invalid/issue/1"
 
 [[finding]]
@@ -28,6 +30,8 @@ check = "memory_reclaim::test_churn_returns_to_baseline[?estart]"
 measures = ["leftover_processes.final_delta"]
 measured = "+2 processes"
 summary = "orphans"
+class = "unconfirmed"
+contract = "not yet read in the engine's source"
 """
 
 
@@ -42,7 +46,7 @@ def test_load(manifest: Manifest) -> None:
     assert [(f.engine, f.version) for f in manifest.entries] == [("lmcache", "0.5.*"), ("vllm", "0.11.0")]
     first = manifest.entries[0]
     assert first.reason() == (
-        "finding on lmcache 0.5.*: fan-out not counted (measured: sent 1.0x, expected 4.0x); "
+        "known-upstream on lmcache 0.5.*: fan-out not counted (measured: sent 1.0x, expected 4.0x); "
         "fails on bytes_sent (below) [https://example.invalid/issue/1]"
     )
     assert manifest.entries[1].link == ""
@@ -78,15 +82,21 @@ def test_missing_field_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(
         '[[finding]]\nengine = "x"\nversion = "1"\ncheck = "c"\nsummary = "s"\nmeasures = ["m"]\n'
+        'class = "unconfirmed"\ncontract = "c"\n'
     )
     with pytest.raises(KeyError, match="measured"):
         findings.load(str(path))
 
 
 def test_shipped_manifests_load() -> None:
-    manifest = findings.load(None, engines=["vllm", "lmcache", "sglang", "dynamo"])
-    assert {f.engine for f in manifest.entries} == {"vllm", "lmcache", "lmcache-redis", "sglang", "dynamo"}
+    manifest = findings.load(None, engines=["vllm", "lmcache", "sglang", "dynamo", "omlx"])
+    assert {f.engine for f in manifest.entries} == {"lmcache", "lmcache-redis", "sglang", "dynamo", "omlx"}
     assert all(isinstance(f, Finding) and f.engine and f.version and f.check for f in manifest.entries)
+    assert all(f.klass in findings.CLASSES and f.contract for f in manifest.entries)
+    for defect in (f for f in manifest.entries if f.klass == "defect"):
+        assert defect.repro is not None and defect.repro.is_file(), defect.check
+        assert defect.report is not None and defect.report.is_file(), defect.check
+    assert all(f.link for f in manifest.entries if f.klass == "known-upstream")
     assert all(f.measures for f in manifest.entries), "every finding names the measures that fail"
     assert all(set(f.numbers) <= set(f.measure_names()) for f in manifest.entries)
     assert all("::" in f.check for f in manifest.entries), "check patterns are suite::test ids"
@@ -103,6 +113,8 @@ measures = { "server_shm_mapped_bytes.leak_slope" = "above", "server_shm_mapped_
 numbers = { "server_shm_mapped_bytes.leak_slope" = 4194304 }
 measured = "+4 MiB per cycle"
 summary = "kept mapped"
+class = "limitation"
+contract = "not promised (docs)"
 
 [[finding]]
 engine = "dynamo"
@@ -111,6 +123,8 @@ check = "transfer::test_block_tracker_ownership_and_drain"
 measures = ["free_*_status"]
 measured = "200"
 summary = "double free ok"
+class = "unconfirmed"
+contract = "unread"
 """
 
 
@@ -160,7 +174,8 @@ def test_measures_and_numbers_load(measured: Manifest) -> None:
 def test_bad_measures_are_errors_naming_the_entry(tmp_path: Path, text: str, complaint: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(
-        '[[finding]]\nengine = "x"\nversion = "1"\ncheck = "a::b"\nmeasured = "m"\nsummary = "s"\n' + text
+        '[[finding]]\nengine = "x"\nversion = "1"\ncheck = "a::b"\nmeasured = "m"\nsummary = "s"\n'
+        'class = "unconfirmed"\ncontract = "c"\n' + text
     )
     with pytest.raises(UsageError, match=r"bad\.toml: finding 1 \(a::b\)") as err:
         findings.load(str(path))
@@ -232,3 +247,50 @@ def test_inconclusive_is_not_the_finding(measured: Manifest) -> None:
     exc = concluded(v)
     assert isinstance(exc, Inconclusive)
     assert not findings.judge(measured.entries[0], exc, v).expected
+
+
+# ------------------------------------------------------------------ classes
+
+
+def _one(tmp_path: Path, fields: str) -> Path:
+    path = tmp_path / "classed.toml"
+    path.write_text(
+        '[[finding]]\nengine = "x"\nversion = "1"\ncheck = "a::b"\nmeasured = "m"\nsummary = "s"\n'
+        'measures = ["m"]\n' + fields
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("fields", "complaint"),
+    [
+        ("", "`class` is None; want one of defect, limitation, known-upstream, unconfirmed"),
+        ('class = "bug"\n', "`class` is 'bug'"),
+        ('class = "limitation"\n', "a limitation needs `contract`"),
+        ('class = "known-upstream"\ncontract = "c"\n', "needs `link`"),
+        ('class = "defect"\ncontract = "c"\n', "`repro` (an existing file beside the manifest; got None)"),
+        ('class = "defect"\ncontract = "c"\nrepro = "r.py"\nreport = "r.md"\n', "got "),
+    ],
+)
+def test_a_class_needs_what_a_maintainer_needs(tmp_path: Path, fields: str, complaint: str) -> None:
+    with pytest.raises(UsageError, match=r"classed\.toml: finding 1 \(a::b\)") as err:
+        findings.load(str(_one(tmp_path, fields)))
+    assert complaint in str(err.value)
+
+
+def test_a_defect_names_its_repro_and_report_beside_the_manifest(tmp_path: Path) -> None:
+    (tmp_path / "findings").mkdir()
+    (tmp_path / "findings" / "leak.py").write_text("raise SystemExit(1)\n")
+    (tmp_path / "findings" / "leak.md").write_text("# leak\n")
+    path = _one(
+        tmp_path,
+        'class = "defect"\ncontract = "c"\nrepro = "findings/leak.py"\nreport = "findings/leak.md"\n',
+    )
+    (entry,) = findings.load(str(path)).entries
+    assert (entry.klass, entry.name, entry.repro, entry.report) == (
+        "defect",
+        "leak",
+        tmp_path / "findings" / "leak.py",
+        tmp_path / "findings" / "leak.md",
+    )
+    assert entry.reason().startswith("defect on x 1: s")

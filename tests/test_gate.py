@@ -38,6 +38,7 @@ def record(check: str, outcome: str = "passed", engine: str = "lmcache", measure
         "measures": list(measures),
         "message": kw.get("message", ""),
         "finding": kw.get("finding", ""),
+        "finding_class": kw.get("finding_class", ""),
         "written_at": kw.get("written_at", 1.0),
     }
 
@@ -102,6 +103,27 @@ def test_error_and_known_finding_count_as_new_failures(tmp_path: Path) -> None:
         ("new failure", "a::y"): "blocking",
         ("new failure", "a::z"): "blocking",  # it now runs, and fails
     }
+
+
+def test_new_findings_block_by_class(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Defects and known-upstream bugs block; limitations and unconfirmed findings are listed
+    apart (a gate that blocks on documented behaviour teaches its users to ignore it)."""
+    classes = ("defect", "known-upstream", "limitation", "unconfirmed")
+    base = [record(f"a::{k}") for k in classes]
+    cand = [record(f"a::{k}", "xfailed", finding=f"{k} on lmcache: x", finding_class=k) for k in classes]
+    assert verdicts(tmp_path, base, cand) == {
+        ("new failure", "a::defect"): "blocking",
+        ("new failure", "a::known-upstream"): "blocking",
+        ("new limitation", "a::limitation"): "ok",
+        ("new unconfirmed", "a::unconfirmed"): "ok",
+    }
+    b, c = write(tmp_path / "b2", base), write(tmp_path / "c2", cand)
+    assert cli_main(["gate", b, c, "--block-on", "limitation"]) == 1
+    out = capsys.readouterr().out
+    assert "new limitation" not in out and "new unconfirmed" in out
+    assert cli_main(["gate", b, c, "--block-on", "bug"]) == 2
+    only_limitation = record("a::limitation", "xfailed", finding="l", finding_class="limitation")
+    assert run_gate(b, write(tmp_path / "c3", [base[0], base[1], only_limitation, base[3]])) == 0
 
 
 def test_fixed_and_still_failing_do_not_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

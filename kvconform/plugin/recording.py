@@ -99,6 +99,7 @@ class Recording:
             if entry is not None:
                 payload["finding"] = entry.reason()
                 payload["finding_measures"] = [m.describe() for m in entry.measures]
+                payload["finding_class"] = entry.klass
             rep.user_properties.append((RECORD_KEY, json.dumps(payload)))
 
     @staticmethod
@@ -185,6 +186,7 @@ class RecordCollector:
                 message=state["message"][:4000],
                 finding=payload.get("finding", ""),
                 finding_measures=payload.get("finding_measures", []),
+                finding_class=payload.get("finding_class", ""),
                 violated=payload.get("violated", []),
                 engine_time=payload.get("engine_time", {}),
             )
