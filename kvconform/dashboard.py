@@ -46,7 +46,6 @@ SUITE_PROMISE = {
 # checks whose promise is not their suite's: double release, unlock underflow, release once
 CHECK_PROMISE = {
     "memory_reclaim::test_second_release_is_harmless": RELEASED_ONCE,
-    "prefix_reuse::test_radix_unlock_without_lock_refused": RELEASED_ONCE,
     "transfer::test_block_tracker_ownership_and_drain": RELEASED_ONCE,
     "transfer::test_event_ledger_consistent": RELEASED_ONCE,
     "transfer::test_abort_releases_kv_once": RELEASED_ONCE,

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 _environment: dict[str, str] = {}
 
-# organise_results() turns a strict xfail into a failure whose message starts "Known <class> on";
+# organise_results() turns a strict xfail into a failure whose message starts "Known finding
+# (<class>) on";
 # pytest's own xfail message starts "XFAIL <class> on" (findings.Finding.reason). Findings come
 # first, by class: a reviewer reads the defects before anything else.
 FINDING_CATEGORIES = {
@@ -43,7 +44,7 @@ CATEGORIES = [
         {
             "name": name,
             "matchedStatuses": ["failed", "broken", "skipped"],
-            "messageRegex": f"(?s)(Known |XFAIL ){klass} on .*",
+            "messageRegex": rf"(?s)(Known finding \({klass}\) on |XFAIL {klass} on ).*",
         }
         for klass, name in FINDING_CATEGORIES.items()
     ),
@@ -255,7 +256,7 @@ def finding_title(record: dict[str, Any]) -> str:
     from kvconform import dashboard
 
     measures = "; ".join(dashboard.describe_measure(m) for m in dashboard.violated(record))
-    title = f"known {dashboard.finding_class(record)}: {record['check']}"
+    title = f"known finding ({dashboard.finding_class(record)}): {record['check']}"
     title += f" — {measures}" if measures else ""
     return title if len(title) <= 240 else title[:237] + "..."
 
@@ -413,7 +414,7 @@ def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
         klass = "finding" if klass == "unclassified" else klass
         reason = str(record.get("finding", ""))
         reason = reason.split(": ", 1)[1] if reason.startswith(f"{klass} on ") else reason
-        head = f"Known {klass} on {engine} {record.get('engine_version', '')}: {reason}"
+        head = f"Known finding ({klass}) on {engine} {record.get('engine_version', '')}: {reason}"
         details["message"] = head + ("\n\n" + original if original else "")
         result["statusDetails"] = details
         result["description"] = _finding_description(record, link)

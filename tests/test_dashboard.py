@@ -56,7 +56,7 @@ RECORDS = [
     _record("sglang", "memory_reclaim::test_churn_returns_to_baseline", "passed"),
     _record(
         "lmcache",
-        "prefix_reuse::test_radix_unlock_without_lock_refused",
+        "prefix_reuse::test_events_replayed_into_router_index_match",
         "skipped",
         message="Skipped: engine lmcache lacks capability radix_cache_model",
     ),
@@ -93,14 +93,9 @@ def test_cells_headline_and_versions() -> None:
     assert failed.state == "failed" and "bytes_delta = 12 B (expected == 0 B)" in failed.text
     assert dash.cell("lmcache", "transfer::test_transfer_bytes_reconcile").state == "absent"
     assert dashboard.headline(dash.counts).startswith("1 finding (1 defect), 1 new failure;")
-    # rows grouped by promise, in the brief's order; the unlock check guards "released once"
-    assert (
-        dashboard.promise_of("prefix_reuse::test_radix_unlock_without_lock_refused")
-        == dashboard.RELEASED_ONCE
-    )
-    assert dash.checks[0].startswith("memory_reclaim::") and dash.checks[-1].endswith(
-        "unlock_without_lock_refused"
-    )
+    # rows grouped by promise, in the brief's order
+    assert dashboard.promise_of("transfer::test_release_guard_holds") == dashboard.RELEASED_ONCE
+    assert dash.checks[0].startswith("memory_reclaim::") and dash.checks[-1].startswith("transfer::")
 
     md = dashboard.render_markdown(dash)
     assert "**lmcache** 0.5.6" in md and "**sglang** 0.5.23" in md and "NVIDIA H200" in md
@@ -161,10 +156,11 @@ def test_organised_results(tmp_path: Path) -> None:
 
     results = [json.loads(p.read_text()) for p in dst.glob("*-result.json")]
     labels = {r["name"]: {(lab["name"], lab["value"]) for lab in r["labels"]} for r in results}
-    finding = next(r for r in results if r["name"].startswith("known defect: "))
+    finding = next(r for r in results if r["name"].startswith("known finding (defect): "))
     assert finding["status"] == "failed"
     assert "leak_slope = 4.1943e+06 B/cycle" in finding["name"]
-    assert finding["statusDetails"]["message"].startswith("Known defect on lmcache 0.5.6: shm kept mapped")
+    message = finding["statusDetails"]["message"]
+    assert message.startswith("Known finding (defect) on lmcache 0.5.6: shm kept mapped")
     defects = next(c for c in report.CATEGORIES if c["name"] == report.FINDING_CATEGORIES["defect"])
     assert re.match(defects["messageRegex"], finding["statusDetails"]["message"])
     assert not any(

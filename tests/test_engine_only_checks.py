@@ -34,10 +34,7 @@ THIS = "tests/test_engine_only_checks.py"
 PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "testdouble_radix_cache": (
         ("kvconform/suites/prefix_reuse/test_radix_cache.py",),
-        (
-            "prefix_reuse::test_radix_cache_state_machine",
-            "prefix_reuse::test_radix_unlock_without_lock_refused",
-        ),
+        ("prefix_reuse::test_radix_cache_state_machine",),
     ),
     "testdouble_radix_index": (
         ("kvconform/suites/prefix_reuse/test_radix_index.py",),

@@ -50,7 +50,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROVED_ELSEWHERE: dict[str, str] = {
     "offload_metrics::test_block_pool_stats_consistent": "tests/contract/test_contract_trtllm.py",
     "prefix_reuse::test_radix_cache_state_machine": "tests/test_engine_only_checks.py",
-    "prefix_reuse::test_radix_unlock_without_lock_refused": "tests/test_engine_only_checks.py",
     "prefix_reuse::test_radix_index_matches_model": "tests/test_engine_only_checks.py",
     "prefix_reuse::test_trace_replay_reuse_matches_oracle": "tests/test_engine_only_checks.py",
     "transfer::test_handoff_time_matches_bytes_over_bandwidth": "tests/test_engine_only_checks.py",

@@ -7,11 +7,12 @@ reference lacks radix_cache_model). A known-failures manifest made here records 
 variant as a finding with an upstream link. The report is then regenerated with a baseline in
 which the sweep passed (the gate's verdict: FAIL, one new failure).
 
-What the report must show: its name states "1 finding, 2 new failures" and the gate; the tree
-groups by promise, then engine; the finding is a failed leaf titled "known finding: CHECK —
-MEASURE = value (expected ...)" with the `known finding` tag, its link and named setup steps; the
-capability skips are one leaf "engine reference lacks radix_cache_model: K checks"; a failed check
-shows its measurements and, for the sweep, its plot as a decoded image; the Quality Gates tab
+What the report must show: its name states "1 finding (1 known-upstream), 2 new failures" and
+the gate; the tree groups by promise, then engine; the finding is a failed leaf titled "known
+finding (known-upstream): CHECK — MEASURE = value (expected ...)" with the `known finding` tag,
+its link and named setup steps; the capability skips are one leaf "engine reference lacks
+radix_cache_model: K checks"; a failed check shows its measurements and, for the sweep, its plot
+as a decoded image; the Quality Gates tab
 holds the kvconform gate's verdict, Global Attachments the conformance dashboard; the history
 file gained a point per report; dashboard.html (beside the report) has one cell per engine x
 check with the finding's measure and the skip's capability. The page requests nothing outside
@@ -61,6 +62,8 @@ check = "{FINDING_CHECK}"
 measured = "shared prefix 113 tokens at block 32: 0 cached tokens, oracle 96"
 summary = "the granularity_loss fault drops partial-block prefix hits"
 measures = {{ "cached_tokens_in_response" = "below", "prefix_hits_counter_delta" = "below" }}
+class = "known-upstream"
+contract = "the engine's prefix cache serves whole blocks of a shared prefix (the fault breaks it)"
 link = "{LINK}"
 """
 CHROMIUM_FLAGS = [
@@ -354,7 +357,8 @@ def test_report_of_a_failing_run_renders(
         "document.querySelectorAll('[data-testid=tree-section]').length", "the overview's test tree"
     )
     title = browser.js("document.querySelector('[data-testid=report-title]').innerText")
-    assert "kvconform" in title and "1 finding, 2 new failures" in title and "gate FAIL" in title, title
+    headline = "1 finding (1 known-upstream), 2 new failures"
+    assert "kvconform" in title and headline in title and "gate FAIL" in title, title
 
     # the tree: promise > engine > checks; the finding a failed leaf; the skips one leaf
     _expand_tree(browser)
@@ -365,7 +369,8 @@ def test_report_of_a_failing_run_renders(
     assert len(leaves) == len(records) - len(skipped) + 1, leaves
     skip_leaf = f"engine reference lacks {LACKED}: {len(skipped)} checks"
     assert skip_leaf in leaves, leaves
-    finding_leaf = next(t for t in leaves if t.startswith(f"known finding: {FINDING_CHECK} — "))
+    title = f"known finding (known-upstream): {FINDING_CHECK} — "
+    finding_leaf = next(t for t in leaves if t.startswith(title))
     assert "cached_tokens_in_response = 0 tokens (expected == 96 tokens)" in finding_leaf, finding_leaf
     not_passing = sum(r["outcome"] in ("failed", "xfailed") for r in records)
     assert (
@@ -377,7 +382,7 @@ def test_report_of_a_failing_run_renders(
     _save(request, "report-overview.png", browser.screenshot())
 
     # the finding: failed, `known finding` label, its upstream link, named setup steps
-    _open_check(browser, f"known finding: {FINDING_CHECK}")
+    _open_check(browser, f"known finding (known-upstream): {FINDING_CHECK}")
     page = browser.js("document.body.innerText")
     browser.js(
         "[...document.querySelectorAll('button')].filter(b => b.innerText === 'Show more')"
@@ -390,7 +395,7 @@ def test_report_of_a_failing_run_renders(
     )
     assert ["finding", "known finding"] in labels and ["epic", dashboard.PREFIX] in labels, labels
     assert ["parentSuite", "reference"] in labels or ["engine", "reference"] in labels, labels
-    assert "Known finding on reference" in page
+    assert "Known finding (known-upstream) on reference" in page
     links = browser.js(
         "[...document.querySelectorAll('[data-testid=test-result-meta-link] a, a')].map(a => a.href)"
     )
@@ -440,7 +445,8 @@ def test_report_of_a_failing_run_renders(
     assert all(by_check[r["check"]] == ("skip", f"skip: lacks {LACKED}") for r in skipped)
     head = browser.js("document.getElementById('versions').innerText")
     assert "reference" in head and "kvref" in head, head
-    assert "1 finding, 2 new failures" in browser.js("document.getElementById('headline').innerText")
+    shown = browser.js("document.getElementById('headline').innerText")
+    assert "1 finding (1 known-upstream), 2 new failures" in shown
     _save(request, "dashboard.png", browser.screenshot())
     browser.navigate(failing_run["index"].as_uri())
     browser.wait_for("document.querySelectorAll('[data-testid=tree-section]').length", "the overview")

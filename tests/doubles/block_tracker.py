@@ -33,7 +33,7 @@ FAULTS: dict[str, Fault] = {
         "free deletes every block of the request, although another live request shares its prefix",
         _CHECK,
         "blocks tracked per request instead of reference-counted per prompt prefix",
-        ("active_blocks_after_first_free",),
+        ("active_blocks_after_first_free", "active_blocks_after_second_free"),
     ),
     "prefill_complete_orphans_blocks": Fault(
         "prefill_complete hands the request to a decode table that free never looks at, so "
