@@ -3,7 +3,7 @@
 Suites and adapters import from here; the harness never imports an adapter or an engine.
 """
 
-from kvconform.contract.adapter import EngineAdapter
+from kvconform.contract.adapter import EngineAdapter, token_chunks_before_drop
 from kvconform.contract.capabilities import Capability
 from kvconform.contract.types import (
     AdapterContext,
@@ -26,4 +26,5 @@ __all__ = [
     "TransferResult",
     "poll_until",
     "seconds_until_steady",
+    "token_chunks_before_drop",
 ]

@@ -349,7 +349,9 @@ class EngineAdapter(ABC):
         )
 
     def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
-        """Start a streaming completion and drop the connection after a few chunks."""
+        """Start a streaming completion (256 tokens asked for) and drop the connection after
+        `after_chunks` token chunks. Returns the token chunks received before the drop, 0 when
+        the stream finished first (then no request was aborted)."""
         resp = self.http.post(
             self.url("/v1/completions"),
             json=self.completion_body(tokens, 256, stream=True),
@@ -360,14 +362,10 @@ class EngineAdapter(ABC):
             raise EngineError(
                 self.name, f"streaming completion -> HTTP {resp.status_code}: {resp.text[:200]}"
             )
-        received = 0
-        for line in resp.iter_lines():
-            if line.startswith(b"data:"):
-                received += 1
-                if received >= after_chunks:
-                    break
-        resp.close()
-        return received
+        try:
+            return token_chunks_before_drop(resp.iter_lines(), after_chunks)
+        finally:
+            resp.close()
 
     def healthy(self) -> bool:
         return wait_http_ok(self.http, self.url(self.health_path), timeout=5.0)
@@ -625,3 +623,29 @@ class EngineAdapter(ABC):
     def describe_logs(self) -> dict[str, str]:
         """Log tails by process name, attached to the report on failure."""
         return {}
+
+
+def token_chunks_before_drop(lines: Any, after_chunks: int) -> int:
+    """Read server-sent events until `after_chunks` token chunks came: their count, or 0 if the
+    stream ended first (`[DONE]`, or a chunk carrying a finish reason: OpenAI's
+    choices[].finish_reason, SGLang's meta_info.finish_reason)."""
+    import json
+
+    received = 0
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        body = line[5:].strip()
+        if body == b"[DONE]":
+            return 0
+        try:
+            chunk = json.loads(body)
+        except ValueError:
+            continue
+        choices = chunk.get("choices") or [{}]
+        if choices[0].get("finish_reason") or (chunk.get("meta_info") or {}).get("finish_reason"):
+            return 0
+        received += 1
+        if received >= after_chunks:
+            return received
+    return 0

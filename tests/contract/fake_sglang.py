@@ -211,7 +211,13 @@ class FakeSglang(FakeServer):
         # http_server.py stream_results: b"data: " + json + b"\n\n" per step, then [DONE]
         chunks = []
         for k in range(1, n_out + 1):
-            step = {**meta, "completion_tokens": k}
+            # finish_reason is None until the last step (output_streamer.py: `req.finished_reason.to_json()
+            # if req.finished_reason else None`)
+            step = {
+                **meta,
+                "completion_tokens": k,
+                "finish_reason": meta["finish_reason"] if k == n_out else None,
+            }
             chunks.append(
                 "data: " + json.dumps({"text": " w17", "output_ids": output[k - 1 : k], "meta_info": step})
             )

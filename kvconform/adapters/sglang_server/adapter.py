@@ -69,6 +69,7 @@ from kvconform.contract import (
     EngineConfig,
     ModelShape,
     ServedPrompt,
+    token_chunks_before_drop,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import engine_side_script
@@ -439,14 +440,10 @@ class SglangServerAdapter(EngineAdapter):
             raise EngineError(self.name, f"streaming /generate failed: {exc}", self.log_tail()) from None
         if resp.status_code != 200:
             raise EngineError(self.name, f"streaming /generate -> HTTP {resp.status_code}: {resp.text[:200]}")
-        received = 0
-        for line in resp.iter_lines():
-            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-                received += 1
-                if received >= after_chunks:
-                    break
-        resp.close()
-        return received
+        try:
+            return token_chunks_before_drop(resp.iter_lines(), after_chunks)
+        finally:
+            resp.close()
 
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")

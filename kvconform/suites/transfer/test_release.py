@@ -104,12 +104,17 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     mark = ledger_mark(engine)
     block = engine.block_size()
     refused = ""
+    cut = 0
     for _ in range(3):
         try:
-            engine.stream_and_disconnect(prompts.fresh(5 * block + 3), after_chunks=2)
+            cut += int(engine.stream_and_disconnect(prompts.fresh(5 * block + 3), after_chunks=2) == 2)
         except EngineError as exc:  # judged below: the engine must serve after an abort
             refused = str(exc).splitlines()[0][:300]
             break
+    if not refused:
+        verdict.require(
+            "streams_cut_mid_way", cut, "==", 3, note="each dropped after 2 token chunks, before its end"
+        )
     if has(C.TRANSFER_ACCOUNTING):
         engine.transfer(prompts.fresh(4 * block + 1), engine.transfer_layouts[0], 1, 1, abort_after_pages=3)
     t0 = time.monotonic()
@@ -133,7 +138,9 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     verdict.equal("engine_serves_after_aborts", served, len(fresh), "tokens", note=why)
     if served and has(C.FORCED_EVICTION):
         fill_cache(engine, prompts, factor=1.5)  # a doubly freed block shows once evicted
-    compare_resident(engine, judge_ledger(engine, verdict, mark), verdict)
+    judged = judge_ledger(engine, verdict, mark)
+    verdict.require("events_seen", judged.events, ">=", 1, note="the requests must produce events")
+    compare_resident(engine, judged, verdict)
     verdict.conclude()
 
 
