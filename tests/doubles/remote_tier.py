@@ -153,6 +153,14 @@ FAULTS: dict[str, Fault] = {
         "LMCache with a lost Redis: requests block on the remote tier until its socket times out",
         ("fresh_request_seconds", "stored_request_seconds"),
     ),
+    "lost_remote_kills_engine": Fault(
+        "the first request after the remote server is lost raises out of the tier's worker and "
+        "ends the engine: that request is refused and the engine answers nothing more",
+        (_LOSS,),
+        "a remote tier's connection error raised past its worker thread (the class of an "
+        "uncaught connector exception ending a cache server)",
+        ("engine_healthy_after_loss",),
+    ),
     "partial_chunk_saved": Fault(
         "the prompt's partial last chunk is stored and matched like a whole one",
         (_LOSS,),
@@ -364,6 +372,7 @@ class RemoteTierDouble(DoubleAdapter):
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, config: EngineConfig) -> None:
         super().start(config)
+        self.dead = False
         if not self.store.up:
             self.store = Store()  # the stack starts again, its remote server included (empty)
         self.slots: list[bytes] = []
@@ -390,7 +399,9 @@ class RemoteTierDouble(DoubleAdapter):
         return self.config is not None
 
     def healthy(self) -> bool:
-        return self.running()
+        return self.running() and not self.dead
+
+    dead = False  # lost_remote_kills_engine
 
     def cache_capacity_tokens(self) -> int:
         return L1_CHUNKS * self.block_size()
@@ -399,6 +410,9 @@ class RemoteTierDouble(DoubleAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         if not self.running():
             raise EngineError(self.name, "not started")
+        if self.dead or (self.fault == "lost_remote_kills_engine" and not self.store.up):
+            self.dead = True
+            raise EngineError(self.name, "connection refused (the engine exited)")
         self._release_held()
         per_token = self.model.kv_bytes_per_token()
         chunks = chunk_keys(tokens, self.block_size(), self.fault == "partial_chunk_saved")

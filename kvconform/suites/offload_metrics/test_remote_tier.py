@@ -160,15 +160,20 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
         )
     kind, got = outcomes["stored"]
     if kind == "served":
-        verdict.expect(
+        verdict.equal(
             "stored_prompt_hits",
             got.cached_tokens,
-            "<=",
             prefix_hit_tokens(len(stored), len(stored), block, engine.recomputes_last_token),
             "tokens",
+            note="the copies in the engine's own memory still serve once the remote tier is gone",
         )
         verdict.equal("stored_prompt_output_identical", int(got.output == cold.output), 1)
-    verdict.record("engine_healthy_after_loss", int(engine.healthy()))
+    verdict.equal(
+        "engine_healthy_after_loss",
+        int(engine.healthy()),
+        1,
+        note="losing a cache tier must not take the engine down (a refused request is judged by its time)",
+    )
     engine.stop()  # the next check starts the stack again, remote server included
     verdict.conclude()
 

@@ -461,17 +461,22 @@ def op_heartbeat(instance_id: int, interval_s: float) -> dict[str, Any]:
     }
 
 
-def _lookup_hit_chunks(client: Any, key: Any, poll_timeout_s: float) -> tuple[int | None, float]:
+def _lookup_hit_chunks(client: Any, key: Any, poll_timeout_s: float) -> tuple[int, float]:
+    """LOOKUP, then poll its prefetch status. A lookup the server never answers is an error
+    naming the request, never 0 hits: "expect 0 hits" checks would pass on a hung L2 read."""
     t0 = time.monotonic()
     _result(client.lookup(key, 1))
     deadline = t0 + poll_timeout_s
-    hit = None
     while True:
         hit = _result(client.query_prefetch_status(key.request_id))
-        if hit is not None or time.monotonic() > deadline:
-            break
+        if hit is not None:
+            return int(hit), (time.monotonic() - t0) * 1000
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"LMCache lookup of request {key.request_id} (model {getattr(key, 'model_name', '?')}) "
+                f"had no prefetch status after {poll_timeout_s:.1f} s: the server did not answer it"
+            )
         time.sleep(0.01)
-    return hit, (time.monotonic() - t0) * 1000
 
 
 def _release_locks(client: Any, key: Any, hit: int | None) -> bool | str:
@@ -514,12 +519,11 @@ def op_lookup(
     released = _release_locks(client, key, hit)
     _result(client.end_session(rid))
     return {
-        "hit_tokens": (hit or 0) * chunk,
-        "hit_chunks": hit or 0,
+        "hit_tokens": hit * chunk,
+        "hit_chunks": hit,
         "total_chunks": n_full // chunk,
         "chunk_size": chunk,
         "requested_tokens": len(token_ids),
-        "timed_out": hit is None,
         "locks_released": released,
         "request_id": rid,
         "latency_ms": round(latency, 3),
@@ -568,7 +572,7 @@ def op_store(
     if skip_cached and n_full:
         key = _key(inst, token_ids, 0, n_full, rid, None, inst.world_size)
         hit, _ = _lookup_hit_chunks(client, key, 5.0)
-        looked_up_hit = (hit or 0) * chunk
+        looked_up_hit = hit * chunk
         _release_locks(client, key, hit)
         start = max(start, looked_up_hit)
     if start % chunk:
@@ -680,7 +684,7 @@ def op_retrieve(
     lkey = _key(inst, token_ids, 0, n_full, rid, None, inst.world_size)
     try:
         hit, lookup_ms = _lookup_hit_chunks(client, lkey, poll_timeout_s)
-        hit_tokens = (hit or 0) * chunk
+        hit_tokens = hit * chunk
         out["hit_tokens"] = hit_tokens
         out["lookup_latency_ms"] = round(lookup_ms, 3)
         if hit_tokens == 0:
