@@ -146,6 +146,16 @@ class VllmAdapter(EngineAdapter):
     def served_model_name(self) -> str:
         return self.profile.served_model_name or MODEL_NAME
 
+    def resolved_block_size(self) -> int | None:
+        """The block size the running server resolved: vllm:cache_config_info's block_size label
+        (vLLM's platform hooks may override the one asked for). Absent: an error, never a guess."""
+        if self.attached:
+            return None  # attached_block_size() reads the same label
+        labels = self.metrics().labels_of("vllm:cache_config_info")
+        if not labels or "block_size" not in labels[0]:
+            raise EngineError(self.name, f"vllm:cache_config_info has no block_size label: {labels[:1]}")
+        return int(labels[0]["block_size"])
+
     def attached_block_size(self) -> int:
         """vllm:cache_config_info carries the server's block size as a label."""
         if self._attached_block is None:
