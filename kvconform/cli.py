@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("finding", nargs="?", metavar="FINDING", help="the defect's name (see --list)")
     repro.add_argument("--list", action="store_true", help="list the defects that have a repro")
     repro.add_argument("--timeout", type=float, default=600.0, help="seconds before the repro is stopped")
+    repro.add_argument("--env", help="the environment spec to run it in (default: the engine's)")
     from kvconform import bisect
 
     bisect.add_arguments(sub.add_parser("bisect", help="first release where a check changed"))
@@ -153,7 +154,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.list or not args.finding:
             print(repros.list_defects(args.engine))
             return 0
-        return repros.run(args.engine, args.finding, timeout_s=args.timeout)
+        return repros.run(args.engine, args.finding, timeout_s=args.timeout, env=args.env)
     if args.command == "dashboard":
         from kvconform import dashboard
 

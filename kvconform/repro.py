@@ -30,35 +30,38 @@ def defects(engine: str) -> list[findings.Finding]:
 
 
 def all_defects() -> list[findings.Finding]:
-    seen: dict[Path, findings.Finding] = {}
+    """One entry per engine, version and repro (a repro serves every check of its root cause)."""
+    seen: dict[tuple[str, str, Path | None], findings.Finding] = {}
     for engine in registry.names():
         for entry in defects(engine):
-            if entry.repro is not None:
-                seen.setdefault(entry.repro, entry)
+            seen.setdefault((entry.engine, entry.version, entry.repro), entry)
     return list(seen.values())
 
 
-def find(engine: str, name: str) -> findings.Finding:
-    found = [d for d in defects(engine) if d.name == name]
+def find(engine: str, name: str, version: str | None = None) -> findings.Finding:
+    found = [d for d in defects(engine) if d.name == name and version in (None, d.version)]
     if not found:
-        known = ", ".join(sorted({d.name for d in defects(engine)})) or "none"
-        raise UsageError(f"engine {engine!r} has no defect named {name!r} (its defects: {known})")
+        known = ", ".join(sorted({f"{d.name} ({d.version})" for d in defects(engine)})) or "none"
+        at = f" recorded on {version}" if version else ""
+        raise UsageError(f"engine {engine!r} has no defect named {name!r}{at} (its defects: {known})")
     return found[0]
 
 
-def interpreter(engine: str) -> Path:
-    """The python of the engine's built environment (its adapter's env spec)."""
+def env_spec(engine: str) -> str:
+    """The engine's default environment spec (its adapter's)."""
     spec = getattr(registry.adapter_class(engine), "env_spec", None)
     if spec is None:
         raise UsageError(f"engine {engine!r} has no environment spec to run a repro in")
-    return envs.find(spec).python
+    return str(spec)
 
 
-def run(engine: str, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, python: Path | None = None) -> int:
-    """Run one defect's repro; its output goes to our stdout. Returns its exit code."""
-    entry = find(engine, name)
+def run(engine: str, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, env: str | None = None) -> int:
+    """Run one defect's repro in `env` (default: the engine's own spec), on the finding recorded
+    for the version that environment holds; its output goes to our stdout. Returns its exit code."""
+    built = envs.find(env or env_spec(engine))
+    entry = find(engine, name, built.version)
     assert entry.repro is not None  # a defect always has one (findings._check_class_fields)
-    python = python or interpreter(engine)
+    python = built.python
     env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PYTHONPATH", None)  # nothing of ours on its path
     print(f"[repro] {engine} {entry.version}: {entry.summary}", flush=True)
