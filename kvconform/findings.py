@@ -12,9 +12,9 @@ contract (its docs, code and tests at that version), never by our policy:
                     names the option or release that does, if any
     known-upstream  a bug already reported upstream (`link` to the open issue or PR)
     unconfirmed     seen, not yet shown to be the engine's (`contract` says what is missing)
- It applies only to that version: a new
-release that still fails shows red (update the manifest), one that now passes shows
-XPASS(strict) red too (remove the entry).
+
+A finding applies only to its version: a new release that still fails shows red (update the
+manifest), one that now passes shows XPASS(strict) red too (remove the entry).
 
 The xfail is narrower than pytest's: it holds only if the check concluded its verdict with
 exactly the finding's measures VIOLATED, each in its direction (`judge`). A crash, a timeout,
@@ -77,7 +77,6 @@ class Finding:
     closes: str = ""  # a limitation: the option or release that closes it
     repro: Path | None = None  # a defect: its standalone reproduction script
     report: Path | None = None  # a defect: the draft upstream report
-    source: Path | None = None  # the manifest it came from
 
     @property
     def name(self) -> str:
@@ -226,7 +225,6 @@ def _load_one(source: Path) -> list[Finding]:
             closes=raw.get("closes", ""),
             repro=source.parent / raw["repro"] if raw.get("repro") else None,
             report=source.parent / raw["report"] if raw.get("report") else None,
-            source=source,
         )
         _check_class_fields(entry, where)
         entries.append(entry)
