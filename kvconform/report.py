@@ -37,7 +37,7 @@ FINDING_CATEGORIES = {
     "known-upstream": "Finding: known upstream (an open issue or PR)",
     "unconfirmed": "Finding: unconfirmed (not yet shown to be the engine's)",
     "limitation": "Finding: limitation (the engine does not promise it; the option that closes it)",
-    "finding": "Finding: unclassified",
+    "unclassified": "Finding: unclassified (a manifest entry from before classes)",
 }
 CATEGORIES = [
     *(
@@ -411,9 +411,9 @@ def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
         details = result.get("statusDetails") or {}
         original = (details.get("message") or "").removeprefix("XFAIL ")
         klass = dashboard.finding_class(record)
-        klass = "finding" if klass == "unclassified" else klass
         reason = str(record.get("finding", ""))
-        reason = reason.split(": ", 1)[1] if reason.startswith(f"{klass} on ") else reason
+        if reason.startswith((f"{klass} on ", "finding on ")):  # findings.Finding.reason's prefix
+            reason = reason.split(": ", 1)[1]
         head = f"Known finding ({klass}) on {engine} {record.get('engine_version', '')}: {reason}"
         details["message"] = head + ("\n\n" + original if original else "")
         result["statusDetails"] = details

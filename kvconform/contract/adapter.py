@@ -9,6 +9,7 @@ pattern): declaring a capability is a promise the method works.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from abc import ABC
@@ -629,8 +630,6 @@ def token_chunks_before_drop(lines: Any, after_chunks: int) -> int:
     """Read server-sent events until `after_chunks` token chunks came: their count, or 0 if the
     stream ended first (`[DONE]`, or a chunk carrying a finish reason: OpenAI's
     choices[].finish_reason, SGLang's meta_info.finish_reason)."""
-    import json
-
     received = 0
     for line in lines:
         if not line.startswith(b"data:"):
