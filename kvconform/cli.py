@@ -69,6 +69,23 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--list", action="store_true", help="list the defects that have a repro")
     repro.add_argument("--timeout", type=float, default=600.0, help="seconds before the repro is stopped")
     repro.add_argument("--env", help="the environment spec to run it in (default: the engine's)")
+    mut = sub.add_parser("mutants", help="run the engines' mutants and write the per-engine proof table")
+    mut.add_argument("--engine", action="append", default=[], help="engine (default: every one with mutants)")
+    mut.add_argument("--mutant", action="append", default=[], help="only these mutants (default: all)")
+    mut.add_argument(
+        "--judged",
+        action="append",
+        default=[],
+        help="results dir of a full run (repeatable): every measure "
+        "it judged on an engine goes in that engine's table",
+    )
+    mut.add_argument("--clean-from", help="a finished clean run's results dir: run only the mutant sessions")
+    mut.add_argument(
+        "--reuse", action="store_true", help="keep sessions already recorded under --work (rewrite the table)"
+    )
+    mut.add_argument("--work", default="results/mutants", help="where each session's results go")
+    mut.add_argument("--out", default="docs/mutants.md", help="the proof table (and .json beside it)")
+    mut.add_argument("--timeout", type=float, default=1800.0, help="seconds one session may take")
     from kvconform import bisect
 
     bisect.add_arguments(sub.add_parser("bisect", help="first release where a check changed"))
@@ -155,6 +172,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(repros.list_defects(args.engine))
             return 0
         return repros.run(args.engine, args.finding, timeout_s=args.timeout, env=args.env)
+    if args.command == "mutants":
+        from kvconform.mutants.runner import run_cli
+
+        return run_cli(args)
     if args.command == "dashboard":
         from kvconform import dashboard
 

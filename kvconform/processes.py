@@ -124,6 +124,10 @@ class EngineProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         full_env = {**os.environ, **(env or {})}
+        hook = os.environ.get("KVCONFORM_MUTANT_HOOK")
+        if hook:  # a mutant run (kvconform.mutants): an adapter's own PYTHONPATH must not drop the hook
+            parts = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p and p != hook]
+            full_env["PYTHONPATH"] = os.pathsep.join([hook, *parts])
         # A temp dir of its own unless the adapter gave one: engines leave ipc:// sockets and
         # scratch files in $TMPDIR when killed (vLLM: one socket per launch, named by uuid).
         self._own_tmpdir: str | None = None

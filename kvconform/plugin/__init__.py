@@ -82,6 +82,8 @@ def _validate(config: pytest.Config) -> None:
         registry.target_of(name)  # the one-line "unknown engine" error, before any import
     if config.getoption("--engine-url") and len(engines) != 1:
         raise KvconformError("--engine-url attaches to one engine; give exactly one --engine")
+    if config.getoption("--mutant") and (len(engines) != 1 or config.getoption("--engine-url")):
+        raise KvconformError("--mutant patches one engine that kvconform launches: give exactly one --engine")
     for name in engines:
         registry.adapter_class(name)
     if is_worker(config):
@@ -90,6 +92,8 @@ def _validate(config: pytest.Config) -> None:
     probe = start_session(config)
     for name in engines:
         probe.preflight(name)
+    if config.getoption("--mutant"):
+        probe.activate_mutant(engines[0], config.getoption("--mutant"))
 
 
 __all__ = ["is_active", "kv_session", "selected_engines"]

@@ -109,6 +109,13 @@ def add_options(parser: pytest.Parser) -> None:
         metavar="S",
         help="seconds one request to an engine may take before the check fails naming it (default 60)",
     )
+    group.addoption(
+        "--mutant",
+        default=None,
+        metavar="NAME",
+        help="run the engine with one of its mutants (its adapter's mutants.toml) patched into its "
+        "own code; one engine only. `kvconform mutants` runs them all with the clean engine",
+    )
     parser.addini("kvconform_results_dir", "where check records are written", default="results")
     parser.addini(
         "kvconform_known_failures",

@@ -129,6 +129,9 @@ class Recording:
             # this process's ledger (without xdist: the whole session, teardowns included)
             "engine_time": timing.since({}),
         }
+        mutant = kv.mutant_meta()
+        if mutant is not None:
+            meta["mutant"] = mutant
         path = merge(kv.results_dir, meta)
         report.write_allure_environment(session.config, meta)
         session.config.stash[_results_path_key] = path
@@ -138,6 +141,12 @@ class Recording:
         path = config.stash.get(_results_path_key, None)
         if path is not None:
             terminalreporter.write_line(f"kvconform: results written to {path}")
+        mutant = kv_session(config).mutant_meta() if config.getoption("--mutant") else None
+        if mutant is not None:
+            applied = ", ".join(mutant["applied"]) or "NOTHING: the engine never imported the patched modules"
+            terminalreporter.write_line(
+                f"kvconform: mutant {mutant['name']} of {mutant['engine']} patched {applied}"
+            )
 
 
 class RecordCollector:

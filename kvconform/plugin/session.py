@@ -93,6 +93,22 @@ class KvSession:
     def platform(self) -> str:
         return nvml().describe()
 
+    def activate_mutant(self, engine: str, name: str) -> None:
+        """Switch the mutant on for the engine processes this run launches (see kvconform.mutants)."""
+        from kvconform.mutants import activation, catalog
+
+        activation.activate(catalog.find(engine, name), self.results_dir / "work")
+
+    def mutant_meta(self) -> dict[str, Any] | None:
+        """The run's mutant and the modules it was seen patching (none: it never went live)."""
+        name = self.config.getoption("--mutant")
+        if not name:
+            return None
+        from kvconform.mutants import activation
+
+        applied = activation.applied_modules(self.results_dir / "work" / f"mutant-{name}-applied.jsonl")
+        return {"name": name, "engine": selected_engines(self.config)[0], "applied": applied}
+
 
 def load_profiles(raw: list[str], engines: list[str]) -> dict[str, LaunchProfile]:
     """--engine-profile [ENGINE=]FILE values, by engine. A bare FILE goes to the engine its

@@ -1,0 +1,236 @@
+"""`kvconform mutants`: each engine's mutants run against the same checks as the clean engine,
+and the per-engine proof table.
+
+For each engine: one clean session of the checks its mutants name, then one session per mutant
+(`--mutant NAME`, the same checks). A mutant KILLS a measure when, in its session, the check's
+record has that measure VIOLATED while the clean session compared it and found it ok. Anything
+else is said as it is: survived (not violated), clean fails, not applied (the engine never
+imported the patched module), no record.
+
+The proof table lists every measure an engine's run judged (a results directory of a full run,
+`--judged`, plus the clean sessions here) with what was seen to violate it on that engine: a
+mutant from this run, or a known finding whose record has it VIOLATED. Everything else is
+"unproven on ENGINE". Only recorded VIOLATED measures count, never a file's existence.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvconform.checkids import matches
+from kvconform.mutants.catalog import Mutant, mutants_of, unproven_reasons
+from kvconform.results import load_records, write_atomic
+
+SUITES = Path(__file__).resolve().parent.parent / "suites"
+
+
+@dataclass
+class MutantOutcome:
+    engine: str
+    mutant: str
+    check: str
+    measure: str
+    status: str  # killed | survived | clean fails | not applied | no record
+    clean: Any = None
+    mutated: Any = None
+
+
+@dataclass
+class EngineProof:
+    engine: str
+    version: str = "unknown"
+    outcomes: list[MutantOutcome] = field(default_factory=list)
+    # (check, measure) -> what violated it on this engine ("mutant NAME", "finding: ...")
+    measures: dict[str, list[str]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)  # why unproven, where the catalog says
+
+    def why_unproven(self, key: str) -> str:
+        reason = self.reasons.get(key) or self.reasons.get("*")
+        return reason or "no mutant, release or finding has violated it on this engine yet"
+
+
+def run_session(
+    engine: str, checks: list[str], results: Path, mutant: str | None, timeout_s: float, reuse: bool = False
+) -> dict:
+    """One pytest session of `checks` on `engine`; its results.json (session + records).
+    `reuse`: a session already recorded in `results` stands (a table rewritten from earlier runs)."""
+    if reuse and (results / "results.json").exists():
+        return json.loads((results / "results.json").read_text())
+    argv = [sys.executable, "-m", "pytest", str(SUITES), "--engine", engine, "--results-dir", str(results)]
+    argv += [arg for check in checks for arg in ("--check", check)]
+    argv += ["-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    if mutant:
+        argv += ["--mutant", mutant]
+    results.mkdir(parents=True, exist_ok=True)
+    with open(results / "pytest.log", "w") as log:
+        try:
+            subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            log.write(f"\nkvconform mutants: session timed out after {timeout_s:.0f} s\n")
+    path = results / "results.json"
+    return json.loads(path.read_text()) if path.exists() else {"session": {}, "records": []}
+
+
+def judged_measures(record: dict) -> dict[str, dict]:
+    """The measures a record compared with a bound (preconditions are the workload's, not the engine's)."""
+    return {
+        m["name"]: m
+        for m in record.get("measures", [])
+        if m.get("op") is not None and not m.get("precondition")
+    }
+
+
+def records_for(run: dict, pattern: str) -> list[dict]:
+    return [r for r in run["records"] if matches(r["check"], pattern)]
+
+
+def judge_mutant(engine: str, mutant: Mutant, clean: dict, mutated: dict) -> list[MutantOutcome]:
+    applied = (mutated.get("session", {}).get("mutant") or {}).get("applied") or []
+    outcomes = []
+    for expectation in mutant.violates:
+        pairs = [
+            (c, m) for c in records_for(clean, expectation.check) for m in records_for(mutated, c["check"])
+        ]
+        for measure in expectation.measures:
+            if not pairs:
+                outcomes.append(MutantOutcome(engine, mutant.name, expectation.check, measure, "no record"))
+                continue
+            for clean_rec, mut_rec in pairs:
+                before = judged_measures(clean_rec).get(measure)
+                after = judged_measures(mut_rec).get(measure)
+                if not applied:
+                    status = "not applied"
+                elif before is None or before.get("ok") is not True:
+                    status = "clean fails"
+                elif after is not None and after.get("ok") is False:
+                    status = "killed"
+                else:
+                    status = "survived"
+                outcomes.append(
+                    MutantOutcome(
+                        engine,
+                        mutant.name,
+                        clean_rec["check"],
+                        measure,
+                        status,
+                        None if before is None else before.get("value"),
+                        None if after is None else after.get("value"),
+                    )
+                )
+    return outcomes
+
+
+def engine_run(results: Path, engine: str) -> dict:
+    """A finished run's session and its records of `engine`."""
+    path = results / "results.json"
+    session = json.loads(path.read_text()).get("session", {}) if path.exists() else {}
+    return {"session": session, "records": [r for r in load_records(results) if r.get("engine") == engine]}
+
+
+def prove_engine(
+    engine: str,
+    work: Path,
+    only: list[str] | None = None,
+    judged: Sequence[Path] = (),
+    timeout_s: float = 1800,
+    clean_from: Path | None = None,
+    reuse: bool = False,
+) -> EngineProof:
+    """`clean_from`: a finished run of the clean engine whose records stand for the clean session
+    (CI's engines run), so only the mutant sessions are run."""
+    mutants = [m for name, m in mutants_of(engine).items() if not only or name in only]
+    proof = EngineProof(engine, reasons=unproven_reasons(engine))
+    checks = list(dict.fromkeys(c for m in mutants for c in m.checks()))
+    runs: list[dict] = []
+    runs += [engine_run(path, engine) for path in judged]
+    for run in runs:
+        proof.version = str(run.get("session", {}).get("engines", {}).get(engine, proof.version))
+    if mutants:
+        if clean_from is not None:
+            clean = engine_run(clean_from, engine)
+        else:
+            clean = run_session(engine, checks, work / engine / "clean", None, timeout_s, reuse)
+        proof.version = str(clean.get("session", {}).get("engines", {}).get(engine, "unknown"))
+        runs.append(clean)
+        for mutant in mutants:
+            mutated = run_session(
+                engine, mutant.checks(), work / engine / mutant.name, mutant.name, timeout_s, reuse
+            )
+            proof.outcomes += judge_mutant(engine, mutant, clean, mutated)
+    for run in runs:
+        for record in run["records"]:
+            for name, measure in judged_measures(record).items():
+                killers = proof.measures.setdefault(f"{base(record['check'])} :: {name}", [])
+                if record.get("finding") and measure.get("ok") is False:
+                    label = f"finding ({record.get('finding_class', 'unclassified')})"
+                    if label not in killers:
+                        killers.append(label)
+    for outcome in proof.outcomes:
+        key = f"{base(outcome.check)} :: {outcome.measure}"
+        if outcome.status == "killed" and f"mutant {outcome.mutant}" not in proof.measures.setdefault(
+            key, []
+        ):
+            proof.measures[key].append(f"mutant {outcome.mutant}")
+    return proof
+
+
+def base(check: str) -> str:
+    return check.split("[")[0]
+
+
+def render(proofs: list[EngineProof], commit: str) -> str:
+    today = dt.date.today().isoformat()
+    lines = [
+        "# Mutants of the real engines and the per-engine proof table",
+        "",
+        f"Written by `make mutants` (`kvconform mutants`) on {today} at commit {commit}. A measure counts "
+        "as proven on an engine only where a recorded run on that engine had it VIOLATED: a mutant of the "
+        "engine's own code (clean passing in the same run), or a known finding. Mutants: each adapter's "
+        "`mutants.toml`.",
+        "",
+        "## Mutants",
+        "",
+        "| engine | mutant | check | measure | clean | mutant | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for proof in proofs:
+        for o in proof.outcomes:
+            cells = [o.engine, o.mutant, f"`{o.check}`", f"`{o.measure}`", o.clean, o.mutated, o.status]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "## Proof table", ""]
+    for proof in proofs:
+        proven = sum(1 for k in proof.measures.values() if k)
+        lines += [
+            f"### {proof.engine} ({proof.version}): {proven} of {len(proof.measures)} judged measures proven",
+            "",
+            "| check :: measure | violated on this engine by |",
+            "|---|---|",
+        ]
+        for key in sorted(proof.measures):
+            killers = proof.measures[key]
+            said = ", ".join(killers) if killers else f"unproven on {proof.engine}: {proof.why_unproven(key)}"
+            lines.append(f"| `{key}` | {said} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write(proofs: list[EngineProof], out: Path, commit: str) -> None:
+    write_atomic(out, render(proofs, commit))
+    data = [
+        {
+            "engine": p.engine,
+            "version": p.version,
+            "outcomes": [asdict(o) for o in p.outcomes],
+            "measures": p.measures,
+            "unproven_reasons": p.reasons,
+        }
+        for p in proofs
+    ]
+    write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))

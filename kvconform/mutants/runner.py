@@ -1,0 +1,47 @@
+"""The `kvconform mutants` command: which engines, where the table goes, the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+from kvconform import registry
+from kvconform.mutants.catalog import mutants_of
+from kvconform.mutants.proof import prove_engine, write
+from kvconform.results import load_records
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    judged_engines = {r.get("engine") for path in args.judged for r in load_records(Path(path))}
+    engines = args.engine or [n for n in registry.names() if mutants_of(n) or n in judged_engines]
+    proofs = []
+    for engine in engines:
+        print(f"[mutants] {engine}: {', '.join(mutants_of(engine)) or 'no mutants'}", flush=True)
+        proof = prove_engine(
+            engine,
+            Path(args.work),
+            only=args.mutant or None,
+            judged=[Path(p) for p in args.judged],
+            timeout_s=args.timeout,
+            clean_from=Path(args.clean_from) if args.clean_from else None,
+            reuse=args.reuse,
+        )
+        for o in proof.outcomes:
+            print(
+                f"[mutants] {engine} {o.mutant}: {o.check} {o.measure}: {o.status} ({o.clean} -> {o.mutated})"
+            )
+        proofs.append(proof)
+    out = Path(args.out)
+    write(proofs, out, _commit())
+    print(f"[mutants] proof table: {out}")
+    return 0 if all(o.status == "killed" for p in proofs for o in p.outcomes) else 1
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

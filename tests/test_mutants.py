@@ -1,0 +1,120 @@
+"""The machinery of real-engine mutants, without an engine: the import hook rewrites a module's
+source in a fresh interpreter (as in an engine process) and says so; a patch that does not match
+stops the import naming the mutant; the catalog refuses incomplete entries; a mutant is judged
+killed only where the clean run had the measure ok and the mutant run had it VIOLATED."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvconform.errors import UsageError
+from kvconform.mutants import activation, catalog
+from kvconform.mutants.proof import judge_mutant
+
+MODULE = "def freed(blocks):\n    returned = list(blocks)\n    return returned\n"
+
+
+def mutant(old: str, new: str, measures: tuple[str, ...] = ("leaked_blocks",)) -> catalog.Mutant:
+    return catalog.Mutant(
+        name="keeps_last_block",
+        engine="toy",
+        bug="toy engine: the last block of a request is never returned",
+        patches=(catalog.Patch("toy_engine.pool", old, new),),
+        violates=(catalog.Expectation("suite::test_release", measures),),
+        source=Path("mutants.toml"),
+    )
+
+
+def run_engine_python(tmp_path: Path, m: catalog.Mutant) -> tuple[subprocess.CompletedProcess[str], Path]:
+    package = tmp_path / "site" / "toy_engine"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pool.py").write_text(MODULE)
+    saved = dict(os.environ)
+    try:
+        applied = activation.activate(m, tmp_path / "work")
+        env = dict(os.environ)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(tmp_path / "site")])
+    code = "from toy_engine.pool import freed; print(freed([1, 2, 3]))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    return proc, applied
+
+
+def test_hook_rewrites_the_engine_module_and_records_it(tmp_path: Path) -> None:
+    proc, applied = run_engine_python(
+        tmp_path, mutant("    returned = list(blocks)\n", "    returned = list(blocks)[:-1]\n")
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[1, 2]"
+    assert "[kvconform mutant keeps_last_block] toy_engine.pool patched" in proc.stderr
+    assert activation.applied_modules(applied) == ["toy_engine.pool"]
+
+
+def test_patch_that_does_not_match_stops_the_import(tmp_path: Path) -> None:
+    proc, applied = run_engine_python(
+        tmp_path, mutant("    returned = tuple(blocks)\n", "    returned = ()\n")
+    )
+    assert proc.returncode != 0
+    assert "kvconform mutant keeps_last_block: patch 0 of toy_engine.pool matches 0 time(s)" in proc.stderr
+    assert activation.applied_modules(applied) == []
+
+
+def test_without_a_mutant_nothing_is_set(tmp_path: Path) -> None:
+    assert activation.SPEC_ENV not in os.environ
+    assert str(activation.HOOK_DIR) not in os.environ.get("PYTHONPATH", "")
+
+
+def test_catalog_refuses_an_entry_without_what_it_needs(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="lacks bug, violates"):
+        catalog._parse({"name": "x", "patch": [{"module": "m", "old": "a", "new": "b"}]}, "toy", tmp_path)
+
+
+def test_shipped_catalogs_parse() -> None:
+    from kvconform import registry
+
+    found = {name: catalog.mutants_of(name) for name in registry.BUILTIN}
+    assert found["vllm"], "vLLM ships mutants"
+    for mutants in found.values():
+        for m in mutants.values():
+            assert m.violates and m.patches and m.bug
+
+
+def record(check: str, ok: bool | None, value: float) -> dict:
+    return {"check": check, "measures": [{"name": "leaked_blocks", "value": value, "op": "==", "ok": ok}]}
+
+
+@pytest.mark.parametrize(
+    ("clean_ok", "mutant_ok", "applied", "status"),
+    [
+        (True, False, ["toy_engine.pool"], "killed"),
+        (True, True, ["toy_engine.pool"], "survived"),
+        (False, False, ["toy_engine.pool"], "clean fails"),
+        (True, False, [], "not applied"),
+    ],
+)
+def test_judged_killed_only_against_a_passing_clean_run(
+    clean_ok: bool, mutant_ok: bool, applied: list[str], status: str
+) -> None:
+    m = mutant("a", "b")
+    clean = {"records": [record("suite::test_release", clean_ok, 0)]}
+    mutated = {
+        "session": {"mutant": {"applied": applied}},
+        "records": [record("suite::test_release", mutant_ok, 1)],
+    }
+    (outcome,) = judge_mutant("toy", m, clean, mutated)
+    assert outcome.status == status
+
+
+def test_no_record_is_said_as_such() -> None:
+    (outcome,) = judge_mutant("toy", mutant("a", "b"), {"records": []}, {"records": []})
+    assert outcome.status == "no record"
+    assert json.dumps(outcome.__dict__)
