@@ -15,7 +15,7 @@ RESULTS ?= results
 # Expanded where used (after selftest has run), not here.
 KILLS = $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json)
 
-.PHONY: main test lint envs selftest engines venv clean
+.PHONY: main test lint envs selftest engines mutants mutants-smoke venv clean
 
 venv: $(VENV)/.ready
 
@@ -34,7 +34,7 @@ main: venv
 
 # The project's tests: lint, harness self-tests + mutation matrix + contract tests, then the
 # suites against the real engines (each in its own cached environment).
-test: lint envs selftest engines
+test: lint envs selftest engines mutants-smoke
 
 lint: venv
 	$(BIN)/ruff check .
@@ -61,3 +61,24 @@ engines: envs
 
 clean:
 	rm -rf $(VENV) $(RESULTS)
+
+# Long run, not part of CI: every engine's full run, then each engine's mutants (small patches of
+# its own code, each adapter's mutants.toml) against the same checks as the clean engine, and the
+# per-engine proof table: docs/mutants.md (+ .json), dated, with the commit.
+mutants: envs
+	-$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) --results-dir $(RESULTS)/judged -q
+	-for e in $(SEPARATE_ENGINES); do \
+	  $(BIN)/python -m pytest kvconform/suites --engine $$e --results-dir $(RESULTS)/judged-$$e -q; done
+	$(BIN)/kvconform mutants --judged $(RESULTS)/judged $(addprefix --judged $(RESULTS)/judged-,$(SEPARATE_ENGINES)) \
+	  --work $(RESULTS)/mutants --out docs/mutants.md
+
+# In CI, after `engines`: one fast mutant per engine against the engines run's clean records, so
+# the machinery itself stays tested (the full table is `make mutants`).
+SMOKE_MUTANTS ?= vllm:eviction_unannounced sglang-server:eviction_unannounced sglang:eviction_unannounced \
+  lmcache:fs_l2_listeners_unfired lmcache-redis:l2_restore_on_access omlx:exact_hit_state_at_n \
+  vllm-lmcache:none_hash_per_process
+mutants-smoke: venv
+	set -e; for em in $(SMOKE_MUTANTS); do e=$${em%%:*}; \
+	  clean=$(RESULTS)/engines; [ -d $(RESULTS)/engines-$$e ] && clean=$(RESULTS)/engines-$$e; \
+	  $(BIN)/kvconform mutants --engine $$e --mutant $${em#*:} --clean-from $$clean \
+	    --work $(RESULTS)/mutants-smoke --out $(RESULTS)/mutants-smoke/$$e.md; done

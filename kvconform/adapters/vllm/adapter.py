@@ -43,6 +43,7 @@ OFFLOAD_CPU_BYTES = 8 * 2**20  # 256 host chunks of one 32-token block each
 OFFLOAD_STORE_DELAY_S = 0.15  # stores finish this long after submit: the write gauge shows them
 OFFLOAD_LOAD_DELAY_S = 0.05
 RESET_RETRY_S = 10.0  # /reset_prefix_cache answers success=false while blocks are held
+GAUGE_SETTLE_S = 0.5  # a finished request's stats reach /metrics just after its response
 
 # vLLM's own `vllm serve` parser, built as vllm/entrypoints/cli/main.py builds it (run inside
 # a vLLM environment by envs.check_argvs): an unknown flag fails with its name.
@@ -509,11 +510,22 @@ class VllmAdapter(EngineAdapter):
             "restart_leftover_processes": MemoryMeasure(self.churn_leftovers["processes"], True, "processes"),
             "restart_leftover_shm_bytes": MemoryMeasure(self.churn_leftovers["shm_bytes"], True),
         }
+        if self._serving and self.running():
+            measures["kv_blocks_held_bytes"] = MemoryMeasure(self.kv_blocks_held_bytes(), True)
         holds_cuda = self._serving and self.running() and self.gpu_build()
         measures.update(
             gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
         )
         return measures
+
+    def kv_blocks_held_bytes(self) -> float:
+        """The KV blocks requests hold now, by vLLM's own count, in bytes: kv_cache_usage_perc is
+        1 - free / (num_gpu_blocks - 1) (BlockPool.get_usage; cached blocks no request holds
+        are free). Read after a fixed settle: the step that finishes a request frees its blocks
+        before its stats (Scheduler.update_from_output), published just after the response."""
+        time.sleep(GAUGE_SETTLE_S)
+        usage = self.metric("kv_usage", self.metrics())
+        return round(usage * (self.pool_blocks() - 1)) * self.model.block_bytes(self.block_size())
 
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""
