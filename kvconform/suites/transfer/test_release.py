@@ -48,18 +48,26 @@ def judge_ledger(engine: EngineAdapter, verdict: Verdict, mark: int) -> LedgerVe
     return judged
 
 
-def compare_resident(engine: EngineAdapter, judged: LedgerVerdict, verdict: Verdict, filled: bool) -> None:
+def resident_after_fill(engine: EngineAdapter, mark: int) -> int:
+    """Blocks resident by the ledger right after a fill (every event emitted so far drained)."""
+    engine.drain_events()
+    return engine.ledger.judge(since=mark).resident_count()
+
+
+def compare_resident(
+    engine: EngineAdapter, judged: LedgerVerdict, verdict: Verdict, after_fill: int | None
+) -> None:
     """The ledger's resident set against the engine's own count of cached blocks: a block
     freed twice can be handed out twice and cached under two hashes, only one of which is
-    ever announced removed. Where the engine reports no count, a cache just `filled` past its
-    capacity bounds it: more blocks resident by the ledger than the pool holds means
+    ever announced removed. Where the engine reports no count, a cache filled past its
+    capacity bounds the ledger's resident blocks `after_fill`: more than the pool holds means
     evictions went unannounced (a router fed these events keeps routing to evicted blocks)."""
     reported = engine.resident_blocks_reported()
-    if reported is None and filled:
+    if reported is None and after_fill is not None:
         pool = engine.cache_capacity_tokens() // engine.block_size() * engine.workers
         verdict.expect(
             "resident_blocks_ledger_vs_pool",
-            judged.resident_count(),
+            after_fill,
             "<=",
             pool,
             "blocks",
@@ -100,15 +108,16 @@ def test_event_ledger_consistent(
     aligned = prompts.fresh(4 * block)
     engine.serve_prompt(aligned)
     engine.serve_prompt(aligned)
+    after_fill = None
+    if has(C.FORCED_EVICTION):
+        fill_cache(engine, prompts, factor=1.5)
+        after_fill = resident_after_fill(engine, mark)
     if has(C.RESET_PREFIX_CACHE):
         engine.reset_prefix_cache()
         engine.serve_prompt(prompts.extend(system, 7 * block))
-    # Filled last, so the resident set is judged against the pool right after the fill.
-    if has(C.FORCED_EVICTION):
-        fill_cache(engine, prompts, factor=1.5)
     judged = judge_ledger(engine, verdict, mark)
     verdict.require("events_seen", judged.events, ">=", 1, note="the workload must produce events")
-    compare_resident(engine, judged, verdict, filled=has(C.FORCED_EVICTION))
+    compare_resident(engine, judged, verdict, after_fill)
     verdict.conclude()
 
 
@@ -150,12 +159,13 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         served, why = 0, str(exc).splitlines()[0][:300]
     why = "; ".join(w for w in (f"during the aborts: {refused}" if refused else "", why) if w)
     verdict.equal("engine_serves_after_aborts", served, len(fresh), "tokens", note=why)
-    filled = bool(served) and has(C.FORCED_EVICTION)
-    if filled:
+    after_fill = None
+    if served and has(C.FORCED_EVICTION):
         fill_cache(engine, prompts, factor=1.5)  # a doubly freed block shows once evicted
+        after_fill = resident_after_fill(engine, mark)
     judged = judge_ledger(engine, verdict, mark)
     verdict.require("events_seen", judged.events, ">=", 1, note="the requests must produce events")
-    compare_resident(engine, judged, verdict, filled)
+    compare_resident(engine, judged, verdict, after_fill)
     verdict.conclude()
 
 
