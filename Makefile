@@ -74,7 +74,7 @@ mutants: envs
 
 # In CI, after `engines`: one fast mutant per engine against the engines run's clean records, so
 # the machinery itself stays tested (the full table is `make mutants`).
-SMOKE_MUTANTS ?= vllm:eviction_unannounced sglang-server:eviction_unannounced sglang:eviction_unannounced \
+SMOKE_MUTANTS ?= vllm:eviction_unannounced sglang-server:eviction_unannounced sglang:transfer_bytes_ignore_fanout \
   lmcache:fs_l2_listeners_unfired lmcache-redis:l2_restore_on_access omlx:exact_hit_state_at_n
 mutants-smoke: venv
 	set -e; for em in $(SMOKE_MUTANTS); do e=$${em%%:*}; \
