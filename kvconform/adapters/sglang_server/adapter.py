@@ -54,6 +54,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -192,9 +193,9 @@ class SglangServerAdapter(EngineAdapter):
         self._server_info = None
         self.base_url = f"http://127.0.0.1:{port}"
         self._launches += 1
-        self._tmpdir = self.ctx.workdir / "sglang-tmp" / str(self._launches)
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._tmpdir.mkdir(parents=True)
+        # Short and outside the results dir: SGLang binds ipc:// sockets here, and a socket path
+        # is capped at 107 bytes (sockaddr_un), which a deep results dir overflows.
+        self._tmpdir = Path(tempfile.mkdtemp(prefix=f"kvc-sgl{self._launches}-"))
         if self._gpu_before is None and nvml().available:
             self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
