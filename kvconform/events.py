@@ -141,6 +141,13 @@ class EventLedger:
             )
         verdict = judge(history)
         verdict.violations.extend(disorder)
+        first_seq = min((e.seq for e in history), default=0)
+        if first_seq > 0:  # publishers number an instance's batches from 0 (one ledger per instance)
+            verdict.violations.append(
+                Violation(
+                    "seq_gap", first_seq, detail=f"start -> {first_seq}: {first_seq} missing at the start"
+                )
+            )
         if since:
             recent = history[since:]
             first = min((e.seq for e in recent), default=None)

@@ -59,6 +59,17 @@ def test_seq_gap() -> None:
     assert "1 -> 4: 2 missing" in str(verdict.violations[0])
 
 
+def test_seq_gap_at_the_start() -> None:
+    """A publisher numbers an instance's batches from 0: batches lost before the first one that
+    arrived have no earlier number to show their gap, only the first number does."""
+    ledger = EventLedger()
+    ledger.extend([stored(3, "a"), stored(4, "b")])
+    verdict = ledger.judge()
+    assert verdict.counts() == {"seq_gap": 1}
+    assert "start -> 3: 3 missing at the start" in str(verdict.violations[0])
+    assert judge(ledger.since(0)).counts() == {}  # a window alone may start anywhere
+
+
 def test_seq_repeat() -> None:
     verdict = judge([stored(0, "a"), stored(1, "b"), stored(1, "c")])
     assert verdict.counts() == {"seq_regress": 1}

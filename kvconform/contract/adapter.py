@@ -389,6 +389,9 @@ class EngineAdapter(ABC):
 
     # Seconds an engine's publisher may take to send what a finished request emitted.
     event_settle_s: ClassVar[float] = 1.0
+    # The engine numbers its event batches itself (False: the adapter numbers what it reads,
+    # so sequence gaps and regressions cannot show and are recorded, not judged).
+    event_seq_from_engine: ClassVar[bool] = True
 
     def open_event_subscriber(self) -> tuple[str, str]:
         """A fresh ledger (sequence numbers restart with each engine instance) and a SUB socket

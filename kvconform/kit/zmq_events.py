@@ -129,9 +129,10 @@ class ZmqEventSubscriber:
             seen = sorted(self.seen)
         if not seen or self.replay_endpoint is None:
             return 0
+        # From the first missing number, or past the last one seen: a batch lost at the end of
+        # the stream has no later number to show its gap, only the replay buffer does.
         missing = [s for s in range(0, seen[-1]) if s not in self.seen]
-        if not missing:
-            return 0
+        start = missing[0] if missing else seen[-1] + 1
         # DEALER, not REQ: the replay socket streams many replies to one request.
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -139,7 +140,7 @@ class ZmqEventSubscriber:
         filled = 0
         try:
             dealer.connect(self.replay_endpoint)
-            dealer.send_multipart([b"", missing[0].to_bytes(8, "big")])
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 frames = dealer.recv_multipart()
                 if frames[-2] == END_SEQ:

@@ -173,6 +173,8 @@ class SglangAdapter(EngineAdapter):
         return self.driver.pids() if self.driver else []
 
     # ---- events -------------------------------------------------------------------------
+    event_seq_from_engine = False  # SGLang's in-process recorder hands over events unnumbered
+
     def drain_events(self) -> int:
         """Take SGLang's recorded KV events (no transport, so no gaps to fill)."""
         events = self.call("take_events", dynamo_format=False)

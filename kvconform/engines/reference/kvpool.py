@@ -112,7 +112,8 @@ class BlockPool:
         if block.hash is not None:
             if "stale_index_after_evict" not in self.faults:
                 self.index.pop(block.hash, None)
-            self.on_event("removed", [block.hash], None, 0)
+            if "eviction_unannounced" not in self.faults:
+                self.on_event("removed", [block.hash], None, 0)
             self.evictions += 1
         block.hash = None
         block.parent = None
