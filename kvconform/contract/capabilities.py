@@ -11,6 +11,7 @@ class Capability(StrEnum):
     # prefix reuse
     PREFIX_CACHE = "prefix_cache"  # serve_prompt() reports cached tokens per request
     PREFIX_HIT_COUNTERS = "prefix_hit_counters"  # engine-wide queried/hit token counters
+    ANSWERS_FROM_KV = "answers_from_kv"  # a model computes the answer from the KV (greedy token ids)
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     BLOCK_SIZE_CONFIG = "block_size_config"  # can run at a chosen block size
     RESTART = "restart"  # the suite owns the processes and can stop/start them

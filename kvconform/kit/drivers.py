@@ -26,6 +26,11 @@ from kvconform.processes import EngineProcess, TeardownReport
 ENGINE_SIDE_DIR = Path(__file__).resolve().parent / "engine_side"
 
 
+# make_tiny_model.py's --weights: the tiny model served with seeded weights under which an
+# answer depends on the KV it attends to (the dummy format's answers do not).
+TINY_MODEL_WEIGHTS = ("--weights", "0")
+
+
 def engine_side_script(name: str) -> Path:
     return ENGINE_SIDE_DIR / name
 

@@ -31,7 +31,9 @@ from kvconform.processes import free_port
 from tests.contract.fake_sglang import FakeSglang, FakeSglangPublisher, removed, stored
 from tests.suite_runs import run_suites
 
-ATTACHED = frozenset({C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.RESET_PREFIX_CACHE, C.FORCED_EVICTION})
+ATTACHED = frozenset(
+    {C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.ANSWERS_FROM_KV, C.RESET_PREFIX_CACHE, C.FORCED_EVICTION}
+)
 
 
 @pytest.fixture
@@ -196,7 +198,7 @@ def test_launch_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     argv = adapter.server_argv(EngineConfig(block_size=128), 30000, "tcp://127.0.0.1:5", "tcp://127.0.0.1:6")
     assert argv[:3] == [str(python), "-m", "sglang.launch_server"]
     flags = dict(itertools.pairwise(argv))
-    assert flags["--model-path"] == str(tmp_path / "model") and flags["--load-format"] == "dummy"
+    assert flags["--model-path"] == str(tmp_path / "model") and "--load-format" not in flags
     assert flags["--page-size"] == "128" and flags["--port"] == "30000"
     assert flags["--max-total-tokens"] == "4096" and flags["--tp"] == "1"
     assert "--enable-metrics" in argv and "--skip-server-warmup" in argv

@@ -17,7 +17,7 @@ import pytest
 from kvconform import envs
 from kvconform.adapters.vllm.adapter import serve_command
 from kvconform.errors import UsageError
-from kvconform.kit.drivers import engine_side_script
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
 from kvconform.processes import EngineProcess, free_port, wait_until_ready
 from tests.suite_runs import run_suites
 
@@ -33,7 +33,12 @@ def operator_vllm(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(str(exc))
     work = tmp_path_factory.mktemp("attach")
     subprocess.run(
-        [str(env.python), str(engine_side_script("make_tiny_model.py")), str(work / "model")],
+        [
+            str(env.python),
+            str(engine_side_script("make_tiny_model.py")),
+            str(work / "model"),
+            *TINY_MODEL_WEIGHTS,
+        ],
         check=True,
         capture_output=True,
         timeout=300,

@@ -115,6 +115,7 @@ class OmlxAdapter(EngineAdapter):
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.ANSWERS_FROM_KV,
             C.RESET_PREFIX_CACHE,
             C.RESTART,
             C.PERSISTENT_PREFIX,

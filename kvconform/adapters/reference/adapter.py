@@ -50,6 +50,7 @@ class ReferenceAdapter(EngineAdapter):
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.ANSWERS_FROM_KV,
             C.RESET_PREFIX_CACHE,
             C.BLOCK_SIZE_CONFIG,
             C.RESTART,

@@ -73,7 +73,7 @@ from kvconform.contract import (
     token_chunks_before_drop,
 )
 from kvconform.errors import EngineError, UsageError
-from kvconform.kit.drivers import engine_side_script
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
 from kvconform.metrics import MetricSnapshot
@@ -111,6 +111,7 @@ SERVER_CAPABILITIES = frozenset(
     {
         C.PREFIX_CACHE,
         C.PREFIX_HIT_COUNTERS,
+        C.ANSWERS_FROM_KV,
         C.RESET_PREFIX_CACHE,
         C.BLOCK_SIZE_CONFIG,  # --page-size at launch
         C.RESTART,
@@ -246,7 +247,7 @@ class SglangServerAdapter(EngineAdapter):
 
     # ---- launch ---------------------------------------------------------------------------
     def model_dir(self) -> Path:
-        """The tiny Llama-shaped model (config + word-level tokenizer), loaded with dummy weights."""
+        """The tiny Llama-shaped model (config, word-level tokenizer, seeded weights)."""
         if self._model_dir is None:
             out = self.ctx.workdir / "model"
             if not (out / "config.json").exists():
@@ -258,6 +259,7 @@ class SglangServerAdapter(EngineAdapter):
                         str(out),
                         *("--layers", str(m.layers), "--heads", str(m.kv_heads)),
                         *("--kv-heads", str(m.kv_heads), "--head-dim", str(m.head_dim)),
+                        *TINY_MODEL_WEIGHTS,
                     ],
                     check=True,
                     capture_output=True,
@@ -282,8 +284,8 @@ class SglangServerAdapter(EngineAdapter):
         p = self.profile
         model = p.model or os.environ.get(MODEL_ENV)
         model_args = ["--model-path", model] if model else ["--model-path", str(self.model_dir())]
-        if not model or p.load_format:
-            model_args += ["--load-format", p.load_format or "dummy"]
+        if p.load_format:
+            model_args += ["--load-format", p.load_format]
         for flag, value in (("--tokenizer-path", p.tokenizer), ("--dtype", p.dtype)):
             model_args += [flag, str(value)] if value is not None else []
         model_args += ["--context-length", str(p.max_model_len)] if p.max_model_len else []

@@ -23,7 +23,7 @@ from kvconform.contract import (
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
-from kvconform.kit.drivers import engine_side_script
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
@@ -79,6 +79,7 @@ class VllmAdapter(EngineAdapter):
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.ANSWERS_FROM_KV,
             C.RESET_PREFIX_CACHE,
             C.BLOCK_SIZE_CONFIG,
             C.RESTART,
@@ -188,6 +189,7 @@ class VllmAdapter(EngineAdapter):
                         str(self.model.kv_heads),
                         "--head-dim",
                         str(self.model.head_dim),
+                        *TINY_MODEL_WEIGHTS,
                     ],
                     check=True,
                     capture_output=True,
@@ -558,16 +560,15 @@ def profile_serve_args(profile: LaunchProfile, block_size: int, port: int) -> li
 
 
 def serve_command(vllm: Path, model_dir: Path, block_size: int, port: int) -> list[str]:
-    """`vllm serve` as kvconform runs it on CPU: the tiny model with dummy weights, prefix
-    caching, an 8 MiB KV pool, token-id prompts with cached-token details in the usage."""
+    """`vllm serve` as kvconform runs it on CPU: the tiny model (its seeded weights: answers
+    depend on the KV), prefix caching, an 8 MiB KV pool, token-id prompts with cached-token
+    details in the usage."""
     return [
         str(vllm),
         "serve",
         str(model_dir),
         "--served-model-name",
         MODEL_NAME,
-        "--load-format",
-        "dummy",
         "--dtype",
         "bfloat16",
         "--enable-prefix-caching",

@@ -44,6 +44,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.ANSWERS_FROM_KV,
             C.RESTART,
             C.PERSISTENT_PREFIX,  # a restarted vLLM is served by the LMCache server
             C.INSTANCE_CHURN,

@@ -165,6 +165,8 @@ class ReferenceEngine:
             ):
                 hashes_for_match = []  # all-or-nothing over the prompt's full blocks
             device = self.pool.match(hashes_for_match[:matchable])
+            if "hit_blocks_out_of_order" in self.faults and len(device) >= 2:
+                device[0], device[1] = device[1], device[0]
             req.blocks.extend(device)
             sources["device"] = len(device) * bs
             if "queries_counted_on_miss_only" in self.faults:

@@ -83,11 +83,32 @@ FAULTS: dict[str, Fault] = {
         "oMLX before 0.5.3 served a corrupt SSD entry as a hit",
         ("cached_tokens_from_damaged_entries", "output_identical_to_cold_run"),
     ),
+    "hit_blocks_out_of_order": Fault(
+        "a prefix hit hands the request its first two cached blocks swapped: the counts are "
+        "right, the KV at those positions is not",
+        (
+            "prefix_reuse::test_repeated_prompt_served_from_cache",
+            "prefix_reuse::test_reset_drops_cached_prefix",
+        ),
+        "vLLM #7845 and #5543 (same greedy prompt, different completions with prefix caching), "
+        "tenstorrent/vllm#415 (corrupted KV on hits): a hit served with the wrong KV",
+        ("answer_from_cache_vs_cold", "answer_from_cache_vs_after_reset"),
+    ),
     "stale_index_after_evict": Fault(
         "eviction reuses a block but leaves its hash in the prefix index",
         ("prefix_reuse::test_evicted_prefix_not_reported_as_hit",),
         "a prefix index not cleaned when blocks are evicted",
         ("cached_tokens_after_eviction", "hit_tokens_counter_delta"),
+    ),
+    "eviction_unannounced": Fault(
+        "a cached block evicted for capacity is freed and unindexed without a removed event",
+        ("transfer::test_event_ledger_consistent", "transfer::test_abort_releases_kv_once"),
+        "SGLang #29750: RadixCache.release_radix_session freed and deleted leaves without "
+        "recording the remove event, so routers kept routing to evicted KV",
+        (
+            "resident_blocks_ledger_vs_engine_after_fill",
+            "transfer::test_abort_releases_kv_once:resident_blocks_ledger_vs_engine",
+        ),
     ),
     "router_index_stale": Fault(
         "the router-side prefix index ignores removed events",
@@ -340,6 +361,7 @@ FAULTS: dict[str, Fault] = {
         (
             "transfer::test_release_guard_holds:blocks_freed_by_second_release",
             "transfer::test_abort_releases_kv_once:resident_blocks_ledger_vs_engine",
+            "transfer::test_abort_releases_kv_once:resident_blocks_ledger_vs_engine_after_fill",
         ),
     ),
     "release_guard_asserts": Fault(
@@ -363,7 +385,11 @@ FAULTS: dict[str, Fault] = {
         ("transfer::test_abort_releases_kv_once",),
         "vLLM/SGLang: KV blocks of requests aborted on client disconnect not freed (usage stuck "
         "above 0 at idle)",
-        ("kv_usage_after_aborts", "resident_blocks_ledger_vs_engine"),
+        (
+            "kv_usage_after_aborts",
+            "resident_blocks_ledger_vs_engine",
+            "resident_blocks_ledger_vs_engine_after_fill",
+        ),
     ),
     "usage_cached_from_lookup": Fault(
         "the response's cached_tokens holds the tokens looked up in the prefix cache (every full "
@@ -497,7 +523,12 @@ FAULTS: dict[str, Fault] = {
         "the event publisher consumes a sequence number for a batch it then drops",
         ("transfer::test_event_ledger_consistent", "transfer::test_abort_releases_kv_once"),
         "vLLM ZmqEventPublisher: seq taken before a send that fails",
-        ("seq_gap", "remove_unknown", "resident_blocks_ledger_vs_engine"),
+        (
+            "seq_gap",
+            "remove_unknown",
+            "resident_blocks_ledger_vs_engine",
+            "resident_blocks_ledger_vs_engine_after_fill",
+        ),
     ),
 }
 

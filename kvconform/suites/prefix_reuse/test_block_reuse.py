@@ -15,6 +15,7 @@ from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.answers import answer_tokens, judge_same_answer
 from kvconform.suites.prefix_reuse.counters import resolved_block_size, wait_counted
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE)
@@ -63,10 +64,10 @@ def test_repeated_prompt_served_from_cache(
     block = requested_block_size(cache)
     expect_block_size(cache, verdict, block)
     prompt = prompts.fresh(10 * block)  # block-aligned: the last-token rule decides the last block
-    first = cache.serve_prompt(prompt)
+    first = cache.serve_prompt(prompt, answer_tokens(has))
     verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")
     before = cache.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
-    second = cache.serve_prompt(prompt)
+    second = cache.serve_prompt(prompt, answer_tokens(has))
     expected = oracle(cache, len(prompt), len(prompt))
     verdict.record("block_size", block, "tokens")
     verdict.record("prompt_tokens", len(prompt), "tokens")
@@ -75,6 +76,7 @@ def test_repeated_prompt_served_from_cache(
         queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
         verdict.equal("prefix_queries_counter_delta", queried, cache.queried_tokens(len(prompt)), "tokens")
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
+    judge_same_answer(verdict, "answer_from_cache_vs_cold", second, first, has)
     verdict.conclude()
 
 
@@ -85,7 +87,7 @@ def test_reset_drops_cached_prefix(
     block = requested_block_size(cache)
     prompt = prompts.fresh(6 * block + 3)
     cache.serve_prompt(prompt)
-    warm = cache.serve_prompt(prompt)
+    warm = cache.serve_prompt(prompt, answer_tokens(has))
     expected_warm = oracle(cache, len(prompt), len(prompt))
     verdict.require(
         "cached_tokens_before_reset",
@@ -97,11 +99,12 @@ def test_reset_drops_cached_prefix(
     )
     cache.reset_prefix_cache()
     before = cache.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
-    after = cache.serve_prompt(prompt)
+    after = cache.serve_prompt(prompt, answer_tokens(has))
     verdict.equal("cached_tokens_after_reset", after.cached_tokens, 0, "tokens")
     if before is not None:
         _queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
         verdict.equal("prefix_hits_counter_delta_after_reset", hits, 0, "tokens")
+    judge_same_answer(verdict, "answer_from_cache_vs_after_reset", warm, after, has)
     verdict.conclude()
 
 

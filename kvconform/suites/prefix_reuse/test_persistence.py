@@ -16,6 +16,7 @@ from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.answers import answer_tokens
 
 pytestmark = [
     pytest.mark.requires(C.PREFIX_CACHE, C.RESTART, C.PERSISTENT_PREFIX),
@@ -25,11 +26,11 @@ pytestmark = [
 PERSISTENT = EngineConfig(persistent=True)
 
 
-def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has) -> None:
     engine.ensure(PERSISTENT)
     block = engine.block_size()
     prompt = prompts.fresh(8 * block + block // 3)
-    cold = engine.serve_prompt(prompt)
+    cold = engine.serve_prompt(prompt, answer_tokens(has))
     engine.flush_persistent()
     reports = engine.restart()
     verdict.expect(
@@ -39,7 +40,7 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
         0,
         note="; ".join(r.describe() for r in reports),
     )
-    warm = engine.serve_prompt(prompt)
+    warm = engine.serve_prompt(prompt, answer_tokens(has))
     expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token)
     verdict.record("cold_cached_tokens", cold.cached_tokens, "tokens")
     verdict.equal(
@@ -56,13 +57,13 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
 @pytest.mark.requires(C.CORRUPT_PERSISTED)
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])
 def test_corrupt_persisted_entry_recomputed(
-    engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict
+    engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
     engine.ensure(PERSISTENT)
     block = engine.block_size()
     before = set(engine.persisted_entries())
     prompt = prompts.fresh(6 * block + 1)
-    cold = engine.serve_prompt(prompt)
+    cold = engine.serve_prompt(prompt, answer_tokens(has))
     engine.flush_persistent()
     engine.stop()  # the process is gone before its files are touched
     damaged = [p for p in engine.persisted_entries() if p not in before]
@@ -77,7 +78,7 @@ def test_corrupt_persisted_entry_recomputed(
                 data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
             )
     engine.ensure(PERSISTENT)
-    warm = engine.serve_prompt(prompt)
+    warm = engine.serve_prompt(prompt, answer_tokens(has))
     verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
     verdict.equal("output_identical_to_cold_run", int(warm.output == cold.output), 1)
     verdict.conclude()

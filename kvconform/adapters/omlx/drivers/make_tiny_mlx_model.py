@@ -91,11 +91,17 @@ def main() -> None:
     mx.random.seed(args.seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = {}
+    # Scaled as kvconform's shared tiny model (engine_side/make_tiny_model.py write_weights):
+    # what attention reads from the KV outweighs the current token, so the greedy answer
+    # depends on the KV it attends to.
     for key, value in tree_flatten(model.parameters()):
         if "norm" in key:
             weights[key] = mx.ones(value.shape, dtype=mx.float16)
+        elif "embed_tokens" in key:
+            weights[key] = (mx.random.normal(value.shape) * 0.3).astype(mx.float16)
         else:
-            weights[key] = (mx.random.normal(value.shape) * 0.05).astype(mx.float16)
+            scale = (2.0 if "v_proj" in key or "o_proj" in key else 1.0) / value.shape[-1] ** 0.5
+            weights[key] = (mx.random.normal(value.shape) * scale).astype(mx.float16)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     print(json.dumps({"wrote": str(out), "parameters": sum(v.size for v in weights.values())}))
 
