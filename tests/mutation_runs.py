@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvconform.engines.reference.faults import FAULTS
+from kvconform.results import judged_measures
 from tests.doubles import DOUBLES, FAULT_ENV, double_class, faults_by_double
 from tests.suite_runs import run_suites
 
@@ -20,25 +21,14 @@ _LOCK = threading.Lock()
 _CACHE: dict[str, object] = {}
 
 
-def violated(record: dict) -> set[str]:
-    return {m["name"] for m in record.get("measures", []) if m.get("ok") is False}
-
-
 def expected(record: dict) -> set[str]:
-    """Every measure the check compared with a bound (expect/equal), whatever the result;
-    preconditions of the workload (Verdict.require) are not measures of the engine."""
-    return {
-        m["name"] for m in record.get("measures", []) if m.get("op") is not None and not m.get("precondition")
-    }
+    """Every measure the check compared with a bound, whatever the result."""
+    return set(judged_measures(record))
 
 
 def preconditions(record: dict) -> set[str]:
     """The check's preconditions of its workload (Verdict.require)."""
     return {m["name"] for m in record.get("measures", []) if m.get("precondition")}
-
-
-def base(check: str) -> str:
-    return check.split("[")[0]
 
 
 def run_reference(results: Path, faults: list[str], checks: list[str]) -> dict[str, dict]:

@@ -32,17 +32,17 @@ from pathlib import Path
 import pytest
 
 from kvconform.checkids import matches
+from kvconform.checkids import unparametrized as base
 from kvconform.engines.reference.faults import FAULTS
 from kvconform.plugin.session import results_dir
+from kvconform.results import violated_measures as violated
 from tests.doubles import faults_by_double
 from tests.mutation_runs import (
     EXCLUDED_ON_CPU,
-    base,
     doubles_matrix,
     expected,
     preconditions,
     reference_matrix,
-    violated,
 )
 from tests.test_engine_only_checks import PROVES
 

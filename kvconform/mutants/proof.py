@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvconform.checkids import matches
+from kvconform.checkids import matches, unparametrized
 from kvconform.mutants.catalog import Mutant, mutants_of, unproven_reasons
-from kvconform.results import load_records, write_atomic
+from kvconform.results import judged_measures, load_records, write_atomic
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
 
@@ -78,15 +78,6 @@ def run_session(
     return json.loads(path.read_text()) if path.exists() else {"session": {}, "records": []}
 
 
-def judged_measures(record: dict) -> dict[str, dict]:
-    """The measures a record compared with a bound (preconditions are the workload's, not the engine's)."""
-    return {
-        m["name"]: m
-        for m in record.get("measures", [])
-        if m.get("op") is not None and not m.get("precondition")
-    }
-
-
 def records_for(run: dict, pattern: str) -> list[dict]:
     return [r for r in run["records"] if matches(r["check"], pattern)]
 
@@ -130,8 +121,9 @@ def judge_mutant(engine: str, mutant: Mutant, clean: dict, mutated: dict) -> lis
 def engine_run(results: Path, engine: str) -> dict:
     """A finished run's session and its records of `engine`."""
     path = results / "results.json"
-    session = json.loads(path.read_text()).get("session", {}) if path.exists() else {}
-    return {"session": session, "records": [r for r in load_records(results) if r.get("engine") == engine]}
+    run = json.loads(path.read_text()) if path.exists() else {"records": load_records(results)}
+    records = [r for r in run.get("records", []) if r.get("engine") == engine]
+    return {"session": run.get("session", {}), "records": records}
 
 
 def prove_engine(
@@ -167,22 +159,18 @@ def prove_engine(
     for run in runs:
         for record in run["records"]:
             for name, measure in judged_measures(record).items():
-                killers = proof.measures.setdefault(f"{base(record['check'])} :: {name}", [])
+                killers = proof.measures.setdefault(f"{unparametrized(record['check'])} :: {name}", [])
                 if record.get("finding") and measure.get("ok") is False:
                     label = f"finding ({record.get('finding_class', 'unclassified')})"
                     if label not in killers:
                         killers.append(label)
     for outcome in proof.outcomes:
-        key = f"{base(outcome.check)} :: {outcome.measure}"
+        key = f"{unparametrized(outcome.check)} :: {outcome.measure}"
         if outcome.status == "killed" and f"mutant {outcome.mutant}" not in proof.measures.setdefault(
             key, []
         ):
             proof.measures[key].append(f"mutant {outcome.mutant}")
     return proof
-
-
-def base(check: str) -> str:
-    return check.split("[")[0]
 
 
 def render(proofs: list[EngineProof], commit: str) -> str:
