@@ -14,8 +14,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvconform"
 OWNED = ("adapters", "engines", "suites")  # folders of kvconform/ that are not the harness
 
 
+# Scripts that run inside an engine's environment (its torch, its packages), never imported here.
+ENGINE_SIDE = {"drivers", "engine_side"}
+
+
 def _modules(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*.py") if "drivers" not in p.relative_to(PACKAGE).parts)
+    return sorted(p for p in folder.rglob("*.py") if not ENGINE_SIDE & set(p.relative_to(PACKAGE).parts))
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

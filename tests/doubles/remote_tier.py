@@ -132,7 +132,7 @@ FAULTS: dict[str, Fault] = {
         "the L2 eviction never runs: the store grows past its capacity",
         (_EVICTION,),
         "an L2 eviction policy configured but never triggered (LMCache eviction watermark unused)",
-        ("remote_bytes_at_idle", "remote_bytes_evicted"),
+        ("remote_bytes_at_idle",),
     ),
     "usage_gauge_not_decremented_on_eviction": Fault(
         "eviction deletes from the store but the usage gauge never subtracts what it deleted",

@@ -92,7 +92,10 @@ FAULTS: dict[str, Fault] = {
         ),
         "vLLM #7845 and #5543 (same greedy prompt, different completions with prefix caching), "
         "tenstorrent/vllm#415 (corrupted KV on hits): a hit served with the wrong KV",
-        ("answer_from_cache_vs_cold", "answer_from_cache_vs_after_reset"),
+        (
+            "prefix_reuse::test_repeated_prompt_served_from_cache:answer_from_cache_vs_cold",
+            "prefix_reuse::test_reset_drops_cached_prefix:answer_from_cache_vs_after_reset",
+        ),
     ),
     "stale_index_after_evict": Fault(
         "eviction reuses a block but leaves its hash in the prefix index",

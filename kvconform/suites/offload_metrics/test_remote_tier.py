@@ -122,7 +122,9 @@ def test_remote_tier_eviction_within_capacity(
     verdict.expect(
         "remote_bytes_at_idle", held, "<=", capacity, "bytes", note="L2 eviction deletes in the store"
     )
-    verdict.expect("remote_bytes_evicted", prompts_needed * per_prompt * chunk_bytes - held, ">=", 1, "bytes")
+    # Derived from the bytes held, so judged by remote_bytes_at_idle alone (as `>= 1` it passed
+    # whenever one byte went, an eviction that left the store over capacity included).
+    verdict.record("remote_bytes_evicted", prompts_needed * per_prompt * chunk_bytes - held, "bytes")
     verdict.equal(
         "l2_usage_bytes_vs_remote",
         engine.metric("l2_usage_bytes", engine.metrics()),

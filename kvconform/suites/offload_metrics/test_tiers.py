@@ -73,7 +73,15 @@ def test_tiered_store_metrics_consistent(
     if "lookup_requested_tokens" in names:
         requested = engine.metric_delta("lookup_requested_tokens", before, after)
         hits = engine.metric_delta("lookup_hit_tokens", before, after)
-        verdict.expect("lookup_hit_tokens_delta", hits, "<=", requested, "tokens")
+        verdict.record("lookup_requested_tokens_delta", requested, "tokens")
+        verdict.equal(
+            "lookup_hit_tokens_delta",
+            hits,
+            full_blocks * block,
+            "tokens",
+            note="the repeats hit each fresh prompt's full blocks, the first pass nothing "
+            "(was: <= the engine's own requested count)",
+        )
     if "l1_usage_ratio" in names:
         ratio = engine.metric("l1_usage_ratio", after)
         expected = engine.metric("l1_usage_bytes", after) / engine.l1_capacity_bytes()
