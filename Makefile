@@ -13,7 +13,9 @@ SEPARATE_ENGINES ?= lmcache-redis
 RESULTS ?= results
 # The self-tests' mutation matrix, when they have written one: report pages list each check's kills.
 # Expanded where used (after selftest has run), not here.
-KILLS = $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json)
+# The per-engine proof table of `make mutants`: real engines' pages list what violated their measures.
+KILLS = $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json) \
+  $(if $(wildcard docs/mutants.json),--proof docs/mutants.json)
 
 .PHONY: main test lint envs selftest engines mutants mutants-smoke venv clean
 

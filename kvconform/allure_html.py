@@ -110,6 +110,7 @@ def generate(
     gate: Any = None,
     dashboard_html: str | None = None,
     kills: dict[str, list[tuple[str, list[str]]]] | None = None,
+    proofs: dict[str, dict[str, list[tuple[str, str]]]] | None = None,
 ) -> str:
     """Generate the HTML report of `allure_results` into `out`; return the index.html path.
 
@@ -140,7 +141,7 @@ def generate(
     cli = allure_cli()
     with tempfile.TemporaryDirectory(prefix="kvconform-allure-") as tmp:
         organised = Path(tmp) / "results"
-        info = kvreport.organise_results(results, organised, data, dashboard_html, kills)
+        info = kvreport.organise_results(results, organised, data, dashboard_html, kills, proofs)
         name = REPORT_NAME
         if data is not None:
             engines = ", ".join(sorted((data.get("session") or {}).get("engines") or {}))

@@ -7,6 +7,11 @@ import sys
 
 from kvconform.errors import KvconformError, UsageError
 
+PROOF_HELP = (
+    "mutants.json of `make mutants`: each check's page on a real engine lists what violated its "
+    "measures there"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvconform", description=__doc__)
@@ -36,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--mutation-matrix", help="mutation-matrix.json of the self-tests: each check's page lists its kills"
     )
+    run.add_argument("--proof", help=PROOF_HELP)
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments after --")
 
     gate = sub.add_parser("gate", help="compare a candidate's results with a baseline's")
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument(
         "--mutation-matrix", help="with --results: mutation-matrix.json, each check's page lists its kills"
     )
+    report.add_argument("--proof", help="with --results: " + PROOF_HELP)
 
     dash = sub.add_parser("dashboard", help="engine x check conformance dashboard from results.json")
     dash.add_argument("results_dir", metavar="RESULTS_DIR")
@@ -130,6 +137,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             baseline=args.baseline,
             history=args.history,
             mutation_matrix=args.mutation_matrix,
+            proof=args.proof,
         )
     if args.command == "gate":
         from kvconform.findings import CLASSES
@@ -156,6 +164,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                     args.baseline,
                     args.history,
                     args.mutation_matrix,
+                    args.proof,
                 )
             )
             return 0

@@ -48,6 +48,7 @@ def run_main_job(
     baseline: str | None = None,
     history: str | None = None,
     mutation_matrix: str | None = None,
+    proof: str | None = None,
 ) -> int:
     results = Path(results_dir).resolve()
     report = Path(report_dir).resolve()
@@ -66,7 +67,13 @@ def run_main_job(
         return code or 2
     try:
         index = build_report(
-            allure_dir, results, report, baseline, history or str(results / HISTORY_NAME), mutation_matrix
+            allure_dir,
+            results,
+            report,
+            baseline,
+            history or str(results / HISTORY_NAME),
+            mutation_matrix,
+            proof,
         )
     except KvconformError as exc:
         print(f"kvconform run: HTML report not generated: {exc}", file=sys.stderr)
@@ -86,12 +93,13 @@ def build_report(
     baseline: str | None,
     history: str | None,
     mutation_matrix: str | None = None,
+    proof: str | None = None,
 ) -> str:
     """Dashboard (markdown + HTML), gate verdict (with a baseline), then the HTML report (each
     check's page with the faults its measures were seen to kill, given a mutation matrix)."""
     from kvconform import dashboard
     from kvconform.allure_html import generate
-    from kvconform.report import load_kills
+    from kvconform.report import load_engine_proofs, load_kills
 
     html = None
     verdict = None
@@ -113,6 +121,7 @@ def build_report(
         gate=verdict,
         dashboard_html=html,
         kills=load_kills(mutation_matrix) if mutation_matrix else None,
+        proofs=load_engine_proofs(proof) if proof else None,
     )
     if html is not None:
         (report / dashboard.HTML_NAME).write_text(html, encoding="utf-8")

@@ -313,15 +313,55 @@ def kills_description(check: str, kills: dict[str, list[tuple[str, list[str]]]])
     return "\n".join(lines)
 
 
+EngineProofs = dict[str, dict[str, list[tuple[str, str]]]]
+
+
+def load_engine_proofs(path: str | Path) -> EngineProofs:
+    """The per-engine proof table (`kvconform mutants`' mutants.json) as
+    {engine: {check: [(measure, what violated it on that engine, or why it is unproven)]}}."""
+    try:
+        data = json.loads(Path(path).read_text())
+        proofs: EngineProofs = {}
+        for proof in data:
+            engine = proof["engine"]
+            for key, killers in proof["measures"].items():
+                check, _, measure = key.partition(" :: ")
+                reasons = proof.get("unproven_reasons") or {}
+                why = (
+                    reasons.get(key)
+                    or reasons.get("*")
+                    or "no mutant, release or finding has violated it yet"
+                )
+                shown = ", ".join(killers) if killers else f"unproven on {engine}: {why}"
+                proofs.setdefault(engine, {}).setdefault(check, []).append((measure, shown))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"proof table {path}: not readable as mutants.json ({exc})") from exc
+    return proofs
+
+
+def proof_description(check: str, engine: str, proofs: EngineProofs) -> str:
+    """What a check's page on a real engine says: each measure and what violated it there."""
+    from kvconform import dashboard
+
+    rows = proofs.get(engine, {}).get(dashboard.base_check(check))
+    if not rows:
+        return ""
+    lines = [f"**Seen to fail on {engine}** (`make mutants`: each measure and what violated it there):", ""]
+    lines += [f"- `{measure}`: {shown}" for measure, shown in rows]
+    return "\n".join(lines)
+
+
 def organise_results(
     src: str | Path,
     dst: str | Path,
     data: dict[str, Any] | None,
     dashboard_html: str | None = None,
     kills: dict[str, list[tuple[str, list[str]]]] | None = None,
+    proofs: EngineProofs | None = None,
 ) -> dict[str, Any]:
     """Copy the Allure results `src` into `dst`, organised from results.json's `data`, each
-    check's page saying which faults its measures were seen to kill (`kills`: load_kills).
+    check's page saying which faults its measures were seen to kill (`kills`: load_kills), on
+    an engine of the proof table what violated them on that engine (`proofs`: load_engine_proofs).
 
     Returns {"counts", "headline", "ids": {(engine, check): result uuid}}. Without `data` the
     results are copied as they are (fixture steps still get their names)."""
@@ -351,7 +391,10 @@ def organise_results(
                 dropped.add(result.get("uuid", ""))
                 continue
             _organise_one(result, record)
-            seen = kills_description(record["check"], kills or {})
+            if proofs and record["engine"] in proofs:
+                seen = proof_description(record["check"], record["engine"], proofs)
+            else:
+                seen = kills_description(record["check"], kills or {})
             if seen:
                 result["description"] = "\n\n".join(p for p in (result.get("description"), seen) if p)
                 result.pop("descriptionHtml", None)

@@ -184,6 +184,29 @@ def test_organised_results(tmp_path: Path) -> None:
     matrix.write_text("not json")
     with pytest.raises(UsageError, match="mutation matrix"):
         report.load_kills(matrix)
+    # with the per-engine proof table, a real engine's page says what violated it on that engine
+    proof = tmp_path / "mutants.json"
+    measures = {
+        f"{churn} :: server_shm_mapped_bytes.leak_slope": ["mutant shm_kept_mapped"],
+        f"{churn} :: server_rss_bytes.leak_slope": [],
+    }
+    reasons = {f"{churn} :: server_rss_bytes.leak_slope": "RSS noise above one instance"}
+    proof.write_text(json.dumps([{"engine": "lmcache", "measures": measures, "unproven_reasons": reasons}]))
+    proofs = report.load_engine_proofs(proof)
+    report.organise_results(src, tmp_path / "by-engine", DATA, kills=kills, proofs=proofs)
+    paged = [json.loads(p.read_text()) for p in (tmp_path / "by-engine").glob("*-result.json")]
+    page = next(r for r in paged if r["name"].startswith("known finding (defect): "))
+    assert (
+        "**Seen to fail on lmcache**" in page["description"] and "**Seen to fail**" not in page["description"]
+    )
+    assert "- `server_shm_mapped_bytes.leak_slope`: mutant shm_kept_mapped" in page["description"]
+    assert (
+        "- `server_rss_bytes.leak_slope`: unproven on lmcache: RSS noise above one instance"
+        in page["description"]
+    )
+    proof.write_text("[1]")
+    with pytest.raises(UsageError, match="proof table"):
+        report.load_engine_proofs(proof)
     assert ("tag", report.NEW_FAILURE_TAG) in labels["transfer::test_transfer_bytes_reconcile"]
     # two capability skips of one engine and reason: one result
     skips = [r for r in results if r["status"] == "skipped"]
