@@ -4,6 +4,7 @@ flag fails with its name). Skips, saying so, where a CPU env is not built."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.adapters.vllm.adapter import SHUTDOWN_GRACE_S, VllmAdapter
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import UsageError
+from kvconform.metrics import MetricSnapshot
 from kvconform.plugin.session import load_profiles
 
 ADAPTERS = Path(__file__).resolve().parents[1] / "kvconform" / "adapters"
@@ -205,3 +207,21 @@ def test_lmcache_refuses_a_kv_dtype_its_client_cannot_register(tmp_path: Path):
     )
     with pytest.raises(UsageError, match="dtype_bytes 1"):
         LmcacheAdapter(AdapterContext(workdir=tmp_path, profile=profile)).register_args()
+
+
+def test_vllm_lazy_offload_series_read_0_only_until_a_transfer_finished(tmp_path: Path) -> None:
+    """vLLM creates its offload series at their first update: absent reads 0 before any
+    transfer finished, and is an error once one finished LAZY_METRIC_GRACE_S before the scrape."""
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    adapter.config = EngineConfig(offload=True)
+    now = time.monotonic()
+    log = adapter.transfer_log_file()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"{now - 10:.6f} 2 0\n")  # a store started 10 s ago, not finished
+    empty = MetricSnapshot(taken_at=time.time())
+    assert adapter.metric("offload_store_bytes", empty) == 0.0
+    log.write_text(f"{now - 10:.6f} 2 0\n{now - 9:.6f} 0 0\n")  # finished 9 s ago
+    with pytest.raises(KeyError, match="not exported"):
+        adapter.metric("offload_store_bytes", empty)
+    earlier = MetricSnapshot(taken_at=time.time() - 8.5)  # scraped 0.5 s after it finished
+    assert adapter.metric("offload_store_bytes", earlier) == 0.0

@@ -328,7 +328,8 @@ class VllmAdapter(EngineAdapter):
     # first scheduler stats with the connector, the byte counters at the first finished
     # transfer); until then they are absent from /metrics. With the offload tier on (started by
     # us, or, attached, the connector's pre-initialised legacy `vllm:kv_offload_*` series are
-    # there), an absent one reads as its value before any transfer: 0.
+    # there), an absent one reads as its value before any transfer, 0, until a transfer has
+    # finished: after that, absent is an error (_transfer_finished_before).
     LAZY_OFFLOAD_METRICS: ClassVar[frozenset[str]] = frozenset(
         {
             "offload_usage",
@@ -340,13 +341,41 @@ class VllmAdapter(EngineAdapter):
         }
     )
 
+    # Once a transfer finished this long before a scrape, vLLM has created its offload series
+    # (the scheduler's stats carry the finished transfer to the API server within a step).
+    LAZY_METRIC_GRACE_S: ClassVar[float] = 2.0
+
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
         try:
             return super().metric(logical, snapshot, **labels)
         except KeyError:
-            if logical in self.LAZY_OFFLOAD_METRICS and self._offload_tier_present(snapshot):
+            if (
+                logical in self.LAZY_OFFLOAD_METRICS
+                and self._offload_tier_present(snapshot)
+                and not self._transfer_finished_before(snapshot)
+            ):
                 return 0.0
             raise
+
+    def _transfer_finished_before(self, snapshot: MetricSnapshot) -> bool:
+        """Our host-copy worker logged a transfer finishing at least LAZY_METRIC_GRACE_S before
+        `snapshot` was taken: an offload series still absent then is missing, not lazy.
+        (vLLM's native worker keeps no log: not known, so False.)"""
+        try:
+            log = self.offload_transfer_log()
+        except EngineError:
+            return False
+        if not log:
+            return False
+        taken = snapshot.taken_at - (time.time() - time.monotonic())  # the log's clock
+        in_flight = (0, 0)
+        for t, stores, loads in log:
+            if t > taken - self.LAZY_METRIC_GRACE_S:
+                break
+            if stores < in_flight[0] or loads < in_flight[1]:
+                return True
+            in_flight = (stores, loads)
+        return False
 
     def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
         if self.config is None or not self.config.offload:
