@@ -209,19 +209,20 @@ def test_lmcache_refuses_a_kv_dtype_its_client_cannot_register(tmp_path: Path):
         LmcacheAdapter(AdapterContext(workdir=tmp_path, profile=profile)).register_args()
 
 
-def test_vllm_lazy_offload_series_read_0_only_until_a_transfer_finished(tmp_path: Path) -> None:
+def test_vllm_lazy_offload_gauges_read_0_only_until_a_transfer_is_logged(tmp_path: Path) -> None:
     """vLLM creates its offload series at their first update: absent reads 0 before any
-    transfer finished, and is an error once one finished LAZY_METRIC_GRACE_S before the scrape."""
+    transfer, and an absent gauge is an error once a transfer was under way
+    LAZY_METRIC_GRACE_S before the scrape (byte counters wait for a successful one: lazy)."""
     adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
     adapter.config = EngineConfig(offload=True)
-    now = time.monotonic()
     log = adapter.transfer_log_file()
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"{now - 10:.6f} 2 0\n")  # a store started 10 s ago, not finished
+    log.write_text("")
     empty = MetricSnapshot(taken_at=time.time())
-    assert adapter.metric("offload_store_bytes", empty) == 0.0
-    log.write_text(f"{now - 10:.6f} 2 0\n{now - 9:.6f} 0 0\n")  # finished 9 s ago
+    assert adapter.metric("offload_write_usage", empty) == 0.0
+    log.write_text(f"{time.monotonic() - 10:.6f} 2 0\n")  # a store under way 10 s ago
     with pytest.raises(KeyError, match="not exported"):
-        adapter.metric("offload_store_bytes", empty)
-    earlier = MetricSnapshot(taken_at=time.time() - 8.5)  # scraped 0.5 s after it finished
-    assert adapter.metric("offload_store_bytes", earlier) == 0.0
+        adapter.metric("offload_write_usage", empty)
+    assert adapter.metric("offload_store_bytes", empty) == 0.0
+    earlier = MetricSnapshot(taken_at=time.time() - 9)  # scraped 1 s after it started
+    assert adapter.metric("offload_write_usage", earlier) == 0.0

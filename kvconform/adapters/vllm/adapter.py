@@ -328,8 +328,8 @@ class VllmAdapter(EngineAdapter):
     # first scheduler stats with the connector, the byte counters at the first finished
     # transfer); until then they are absent from /metrics. With the offload tier on (started by
     # us, or, attached, the connector's pre-initialised legacy `vllm:kv_offload_*` series are
-    # there), an absent one reads as its value before any transfer, 0, until a transfer has
-    # finished: after that, absent is an error (_transfer_finished_before).
+    # there), an absent one reads as its value before any transfer: 0 (a gauge only until a
+    # transfer is under way: LAZY_GAUGES).
     LAZY_OFFLOAD_METRICS: ClassVar[frozenset[str]] = frozenset(
         {
             "offload_usage",
@@ -340,42 +340,36 @@ class VllmAdapter(EngineAdapter):
             "offload_store_chunks_prepared",
         }
     )
-
-    # Once a transfer finished this long before a scrape, vLLM has created its offload series
-    # (the scheduler's stats carry the finished transfer to the API server within a step).
+    # The gauges exist from the first scheduler stats with a transfer under way: once our
+    # host-copy worker logged one this long before a scrape, an absent gauge is missing, not
+    # lazy. (The byte counters wait for a successful transfer, which the log does not tell
+    # from a failed one: they stay lazy.)
+    LAZY_GAUGES: ClassVar[frozenset[str]] = frozenset(
+        {"offload_usage", "offload_write_usage", "offload_read_usage"}
+    )
     LAZY_METRIC_GRACE_S: ClassVar[float] = 2.0
 
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
         try:
             return super().metric(logical, snapshot, **labels)
         except KeyError:
-            if (
-                logical in self.LAZY_OFFLOAD_METRICS
-                and self._offload_tier_present(snapshot)
-                and not self._transfer_finished_before(snapshot)
-            ):
-                return 0.0
-            raise
+            if logical not in self.LAZY_OFFLOAD_METRICS or not self._offload_tier_present(snapshot):
+                raise
+            if logical in self.LAZY_GAUGES and self._transfer_logged_before(snapshot):
+                raise
+            return 0.0
 
-    def _transfer_finished_before(self, snapshot: MetricSnapshot) -> bool:
-        """Our host-copy worker logged a transfer finishing at least LAZY_METRIC_GRACE_S before
-        `snapshot` was taken: an offload series still absent then is missing, not lazy.
-        (vLLM's native worker keeps no log: not known, so False.)"""
+    def _transfer_logged_before(self, snapshot: MetricSnapshot) -> bool:
+        """Our host-copy worker logged a transfer in flight at least LAZY_METRIC_GRACE_S before
+        `snapshot` was taken (vLLM's native worker keeps no log: not known, so False)."""
         try:
             log = self.offload_transfer_log()
         except EngineError:
             return False
-        if not log:
-            return False
         taken = snapshot.taken_at - (time.time() - time.monotonic())  # the log's clock
-        in_flight = (0, 0)
-        for t, stores, loads in log:
-            if t > taken - self.LAZY_METRIC_GRACE_S:
-                break
-            if stores < in_flight[0] or loads < in_flight[1]:
-                return True
-            in_flight = (stores, loads)
-        return False
+        return any(
+            t <= taken - self.LAZY_METRIC_GRACE_S and (stores or loads) for t, stores, loads in log or []
+        )
 
     def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
         if self.config is None or not self.config.offload:
