@@ -110,7 +110,7 @@ def generate(
     gate: Any = None,
     dashboard_html: str | None = None,
     kills: dict[str, list[tuple[str, list[str]]]] | None = None,
-    proofs: dict[str, dict[str, list[tuple[str, str]]]] | None = None,
+    proofs: dict[str, dict[str, list[tuple[str, list[str]]]]] | None = None,
 ) -> str:
     """Generate the HTML report of `allure_results` into `out`; return the index.html path.
 

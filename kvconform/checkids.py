@@ -25,9 +25,9 @@ def matches_any(check_id: str, patterns: list[str] | tuple[str, ...]) -> bool:
     return any(matches(check_id, p) for p in patterns)
 
 
-def unparametrized(check_id: str) -> str:
-    """`suite::test_x[a-b]` -> `suite::test_x`."""
-    return check_id.split("[")[0]
+def base_check(check_id: str) -> str:
+    """The check id without its parameters: `suite::test_name`."""
+    return check_id.split("[", 1)[0]
 
 
 SUITES_PACKAGE = "kvconform.suites"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvconform.checkids import base_check
 from kvconform.errors import UsageError
 
 MARKDOWN_NAME = "dashboard.md"
@@ -59,11 +60,6 @@ _LINK = re.compile(r" \[(?P<url>https?://[^\]\s]+)\]$")
 
 def suite_of(check: str) -> str:
     return check.split("::", 1)[0] if "::" in check else "-"
-
-
-def base_check(check: str) -> str:
-    """The check id without its parameters: `suite::test_name`."""
-    return check.split("[", 1)[0]
 
 
 def promise_of(check: str) -> str:

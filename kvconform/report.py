@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import allure
 
+from kvconform.checkids import base_check
 from kvconform.errors import UsageError
 
 if TYPE_CHECKING:
@@ -287,7 +288,10 @@ def _skip_name(engine: str, reason: str, count: int) -> str:
     return f"{what}: {count} check{'s' if count != 1 else ''}"
 
 
-def load_kills(path: str | Path) -> dict[str, list[tuple[str, list[str]]]]:
+Kills = dict[str, list[tuple[str, list[str]]]]  # check -> [(measure, what violated it)]
+
+
+def load_kills(path: str | Path) -> Kills:
     """The mutation matrix (tests/test_mutation_matrix.py's mutation-matrix.json) by check:
     [(measure, the faults and test doubles seen to violate it)]."""
     try:
@@ -295,45 +299,41 @@ def load_kills(path: str | Path) -> dict[str, list[tuple[str, list[str]]]]:
         rows = data["measures"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"mutation matrix {path}: not readable as mutation-matrix.json ({exc})") from exc
-    kills: dict[str, list[tuple[str, list[str]]]] = {}
+    kills: Kills = {}
     for row in rows:
         kills.setdefault(row["check"], []).append((row["measure"], list(row["killed_by"])))
     return kills
 
 
-def kills_description(check: str, kills: dict[str, list[tuple[str, list[str]]]]) -> str:
-    """What a check's page says about the faults it was seen to kill, measure by measure."""
-    from kvconform import dashboard
-
-    rows = kills.get(dashboard.base_check(check))
+def kills_description(check: str, kills: Kills, title: str | None = None) -> str:
+    """What a check's page says about what its measures were seen to fail on, measure by
+    measure: the mutation matrix's faults, or `title` over one engine's proof (proof_description)."""
+    rows = kills.get(base_check(check))
     if not rows:
         return ""
-    lines = ["**Seen to fail** (mutation matrix: each measure and the faults that violated it):", ""]
+    title = title or "**Seen to fail** (mutation matrix: each measure and the faults that violated it):"
+    lines = [title, ""]
     lines += [f"- `{measure}`: {', '.join(faults) or 'NOT KILLED'}" for measure, faults in rows]
     return "\n".join(lines)
 
 
-EngineProofs = dict[str, dict[str, list[tuple[str, str]]]]
+EngineProofs = dict[str, Kills]
 
 
 def load_engine_proofs(path: str | Path) -> EngineProofs:
     """The per-engine proof table (`kvconform mutants`' mutants.json) as
     {engine: {check: [(measure, what violated it on that engine, or why it is unproven)]}}."""
+    from kvconform.mutants.proof import EngineProof
+
     try:
         data = json.loads(Path(path).read_text())
         proofs: EngineProofs = {}
-        for proof in data:
-            engine = proof["engine"]
-            for key, killers in proof["measures"].items():
+        for row in data:
+            proof = EngineProof(row["engine"], reasons=row.get("unproven_reasons") or {})
+            for key, killers in row["measures"].items():
                 check, _, measure = key.partition(" :: ")
-                reasons = proof.get("unproven_reasons") or {}
-                why = (
-                    reasons.get(key)
-                    or reasons.get("*")
-                    or "no mutant, release or finding has violated it yet"
-                )
-                shown = ", ".join(killers) if killers else f"unproven on {engine}: {why}"
-                proofs.setdefault(engine, {}).setdefault(check, []).append((measure, shown))
+                shown = list(killers) or [f"unproven on {proof.engine}: {proof.why_unproven(key)}"]
+                proofs.setdefault(proof.engine, {}).setdefault(check, []).append((measure, shown))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"proof table {path}: not readable as mutants.json ({exc})") from exc
     return proofs
@@ -341,14 +341,8 @@ def load_engine_proofs(path: str | Path) -> EngineProofs:
 
 def proof_description(check: str, engine: str, proofs: EngineProofs) -> str:
     """What a check's page on a real engine says: each measure and what violated it there."""
-    from kvconform import dashboard
-
-    rows = proofs.get(engine, {}).get(dashboard.base_check(check))
-    if not rows:
-        return ""
-    lines = [f"**Seen to fail on {engine}** (`make mutants`: each measure and what violated it there):", ""]
-    lines += [f"- `{measure}`: {shown}" for measure, shown in rows]
-    return "\n".join(lines)
+    title = f"**Seen to fail on {engine}** (`make mutants`: each measure and what violated it there):"
+    return kills_description(check, proofs.get(engine, {}), title)
 
 
 def organise_results(
@@ -356,7 +350,7 @@ def organise_results(
     dst: str | Path,
     data: dict[str, Any] | None,
     dashboard_html: str | None = None,
-    kills: dict[str, list[tuple[str, list[str]]]] | None = None,
+    kills: Kills | None = None,
     proofs: EngineProofs | None = None,
 ) -> dict[str, Any]:
     """Copy the Allure results `src` into `dst`, organised from results.json's `data`, each
@@ -439,10 +433,10 @@ def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
     labels += [
         _label("epic", dashboard.promise_of(check)),
         _label("feature", dashboard.suite_of(check)),
-        _label("story", dashboard.base_check(check)),
+        _label("story", base_check(check)),
         _label("parentSuite", engine),
         _label("suite", dashboard.suite_of(check)),
-        _label("subSuite", dashboard.base_check(check)),
+        _label("subSuite", base_check(check)),
         _label("engine", engine),
         _label("engine_version", str(record.get("engine_version", "-"))),
     ]

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from kvconform.checkids import base_check as base
 from kvconform.checkids import matches
-from kvconform.checkids import unparametrized as base
 from kvconform.engines.reference.faults import FAULTS
 from kvconform.plugin.session import results_dir
 from kvconform.results import violated_measures as violated

@@ -43,6 +43,7 @@ import allure
 import pytest
 
 from kvconform import dashboard
+from kvconform.checkids import base_check
 from kvconform.mainjob import HISTORY_NAME, build_report, run_main_job
 from kvconform.plugin.session import results_dir
 
@@ -252,7 +253,7 @@ def failing_run(tmp_path: Path) -> dict[str, Any]:
     (base / "baseline").mkdir()
     (base / "baseline" / "results.json").write_text(json.dumps(baseline))
     matrix = base / "mutation-matrix.json"
-    killed = {"check": dashboard.base_check(FINDING_CHECK), "measure": "cached_tokens_in_response"}
+    killed = {"check": base_check(FINDING_CHECK), "measure": "cached_tokens_in_response"}
     matrix.write_text(json.dumps({"measures": [{**killed, "killed_by": ["granularity_loss"]}]}))
     build_report(
         results / "allure", results, report, str(base / "baseline"), str(results / HISTORY_NAME), str(matrix)

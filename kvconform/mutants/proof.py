@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvconform.checkids import matches, unparametrized
+from kvconform.checkids import base_check, matches
 from kvconform.mutants.catalog import Mutant, mutants_of, unproven_reasons
 from kvconform.results import judged_measures, load_records, write_atomic
 
@@ -159,13 +159,13 @@ def prove_engine(
     for run in runs:
         for record in run["records"]:
             for name, measure in judged_measures(record).items():
-                killers = proof.measures.setdefault(f"{unparametrized(record['check'])} :: {name}", [])
+                killers = proof.measures.setdefault(f"{base_check(record['check'])} :: {name}", [])
                 if record.get("finding") and measure.get("ok") is False:
                     label = f"finding ({record.get('finding_class', 'unclassified')})"
                     if label not in killers:
                         killers.append(label)
     for outcome in proof.outcomes:
-        key = f"{unparametrized(outcome.check)} :: {outcome.measure}"
+        key = f"{base_check(outcome.check)} :: {outcome.measure}"
         if outcome.status == "killed" and f"mutant {outcome.mutant}" not in proof.measures.setdefault(
             key, []
         ):
