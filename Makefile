@@ -17,7 +17,7 @@ RESULTS ?= results
 KILLS = $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json) \
   $(if $(wildcard docs/mutants.json),--proof docs/mutants.json)
 
-.PHONY: main test lint envs selftest engines mutants mutants-smoke venv clean
+.PHONY: main test lint envs selftest engines mutants mutants-smoke history venv clean
 
 venv: $(VENV)/.ready
 
@@ -83,3 +83,12 @@ mutants-smoke: venv
 	  clean=$(RESULTS)/engines; [ -d $(RESULTS)/engines-$$e ] && clean=$(RESULTS)/engines-$$e; \
 	  $(BIN)/kvconform mutants --engine $$e --mutant $${em#*:} --clean-from $$clean \
 	    --work $(RESULTS)/mutants-smoke --out $(RESULTS)/mutants-smoke/$$e.md; done
+
+# Long run, not part of CI: the release-history corpus (kvconform/history/defects.toml). Builds each
+# bug's last bad and first fixed release (environments cached like the others), runs its check on
+# both, and writes docs/history.md (+ .json): caught when the bad release violates the measure and
+# the fixed one holds it. `HISTORY_ONLY="id id"` runs some and keeps the others' last verdicts.
+HISTORY_ONLY ?=
+history: venv
+	$(BIN)/kvconform history --work $(RESULTS)/history --out docs/history.md \
+	  $(if $(HISTORY_ONLY),--merge $(addprefix --only ,$(HISTORY_ONLY)))

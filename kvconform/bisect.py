@@ -1,6 +1,7 @@
 """Bisect across releases: the first release of an engine where a check's verdict or measure changed.
 
     kvconform bisect ENGINE --versions A..B --check GLOB [--check GLOB ...] [--out DIR]
+    kvconform bisect --defect ID        # a shipped bug of kvconform/history/defects.toml
 
 For each release in the range, in version order, the engine's environment is built (cached, as
 `kvconform env build` does), the selected checks run against it (a pytest subprocess with
@@ -449,12 +450,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("engine", metavar="ENGINE")
+    parser.add_argument("engine", metavar="ENGINE", nargs="?")
     parser.add_argument("--versions", help="A..B (published releases in between) or A,B,C")
+    parser.add_argument(
+        "--defect",
+        metavar="ID",
+        help="a bug of the release-history corpus: its engine, its check, and (unless --versions) "
+        "its last bad..first fixed releases",
+    )
     parser.add_argument(
         "--fault-sets", help="reference engine only: none,FAULT[+FAULT],... as the 'releases'"
     )
-    parser.add_argument("--check", action="append", default=[], metavar="GLOB", required=True)
+    parser.add_argument("--check", action="append", default=[], metavar="GLOB")
     parser.add_argument(
         "--out", default="results/bisect", help="results per release (default results/bisect/ENGINE)"
     )
@@ -470,8 +477,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _apply_defect(args: argparse.Namespace) -> None:
+    """Fill engine, checks and versions from a corpus entry (kvconform/history/defects.toml)."""
+    from kvconform.history.corpus import find
+
+    defect = find(args.defect)
+    if not defect.runnable:
+        raise UsageError(f"defect {defect.id} is not reachable here: {defect.unreachable}")
+    if args.engine and args.engine != defect.engine:
+        raise UsageError(f"defect {defect.id} is a bug of {defect.engine}, not {args.engine}")
+    args.engine = defect.engine
+    args.check = args.check or [defect.check]
+    args.versions = args.versions or f"{defect.bad}..{defect.fixed}"
+
+
 def run_cli(args: argparse.Namespace) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.defect:
+        _apply_defect(args)
+    if not args.engine or not args.check:
+        raise UsageError("name ENGINE and --check GLOB (or --defect ID)")
     out_dir = Path(args.out) / args.engine
     extra = list(args.pytest_args)
     if args.fault_sets:

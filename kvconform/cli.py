@@ -94,12 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     mut.add_argument("--out", default="docs/mutants.md", help="the proof table (and .json beside it)")
     mut.add_argument("--timeout", type=float, default=1800.0, help="seconds one session may take")
     from kvconform import bisect
+    from kvconform.history import runner as history
 
     bisect.add_arguments(sub.add_parser("bisect", help="first release where a check changed"))
+    history.add_arguments(
+        sub.add_parser(
+            "history", help="shipped bugs: fail the bad release, pass the fixed one (docs/history.md)"
+        )
+    )
 
     args = parser.parse_args(argv)
     try:
-        return bisect.run_cli(args) if args.command == "bisect" else _dispatch(args)
+        if args.command == "bisect":
+            return bisect.run_cli(args)
+        return history.run_cli(args) if args.command == "history" else _dispatch(args)
     except KvconformError as exc:
         print(f"kvconform: {exc}", file=sys.stderr)
         return 2

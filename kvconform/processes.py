@@ -124,6 +124,10 @@ class EngineProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         full_env = {**os.environ, **(env or {})}
+        if "PYTHONHASHSEED" not in (env or {}):
+            # An engine hashes as it does by default: a seed the suite's own runner exported (tox
+            # does) would be shared by every engine process and hide per-process hash seeds.
+            full_env.pop("PYTHONHASHSEED", None)
         hook = os.environ.get("KVCONFORM_MUTANT_HOOK")
         if hook:  # a mutant run (kvconform.mutants): an adapter's own PYTHONPATH must not drop the hook
             parts = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p and p != hook]

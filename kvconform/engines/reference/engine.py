@@ -9,6 +9,7 @@ exercised for real. Faults (faults.py) are small deviations on the same paths.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class ReferenceEngine:
     def __init__(self, settings: EngineSettings) -> None:
         self.s = settings
         self.faults = settings.faults
+        # vLLM before #51875: the hash chain starts from a seed drawn per process
+        self.hash_seed = os.urandom(16).hex() if "none_hash_per_process" in self.faults else ""
         self.lock = threading.RLock()
         self.counters = Counters()
         self.pending_events: list[dict[str, Any]] = []
@@ -156,7 +159,9 @@ class ReferenceEngine:
         bs = self.s.block_size
         with self.lock:
             req = Request(tokens)
-            hashes = chain_hashes(tokens, bs)
+            hashes = chain_hashes(tokens, bs, self.hash_seed)
+            # what a block's KV is computed from: its tokens, never the seed its hash carries
+            content = chain_hashes(tokens, bs) if self.hash_seed else hashes
             matchable = (len(tokens) - 1) // bs  # the last prompt token is always computed
             sources: Counter[str] = Counter()
             hashes_for_match = hashes
@@ -197,13 +202,13 @@ class ReferenceEngine:
                 start = index * bs
                 count = min(bs, len(tokens) - start)
                 if index < len(hashes):
-                    self._compute_block(block_id, hashes[index], count)
+                    self._compute_block(block_id, content[index], count)
                     self.pool.commit(block_id, hashes[index], hashes[index - 1] if index else None)
                     req.new_blocks.append(block_id)
                     self._persist(block_id, hashes[index])
                 else:  # the partial tail block: computed, never cached
                     tail_key = hashlib.sha256(
-                        f"{hashes[-1] if hashes else ''}:{tokens[start:]}".encode()
+                        f"{content[-1] if content else ''}:{tokens[start:]}".encode()
                     ).hexdigest()
                     self._compute_block(block_id, tail_key, count)
                 req.blocks.append(block_id)
@@ -353,7 +358,7 @@ class ReferenceEngine:
         bs = self.s.block_size
         with self.lock:
             matched = 0
-            for h in chain_hashes(tokens, bs)[: len(tokens) // bs]:
+            for h in chain_hashes(tokens, bs, self.hash_seed)[: len(tokens) // bs]:
                 if h not in self.router_index:
                     break
                 matched += 1

@@ -113,6 +113,14 @@ FAULTS: dict[str, Fault] = {
             "transfer::test_abort_releases_kv_once:resident_blocks_ledger_vs_engine",
         ),
     ),
+    "none_hash_per_process": Fault(
+        "the block-hash chain starts from a seed drawn at random in every engine process",
+        ("prefix_reuse::test_block_hashes_stable_across_restart", "prefix_reuse::test_hits_survive_restart"),
+        "vLLM before #51875 (0.28.0 and earlier): NONE_HASH = os.urandom(32) when PYTHONHASHSEED "
+        "is unset, so no two processes announce the same hashes for the same tokens, and "
+        "LMCache #1139: what one process persisted under its hashes is never found by the next",
+        ("block_hashes_lost_across_restart", "cached_tokens_after_restart"),
+    ),
     "router_index_stale": Fault(
         "the router-side prefix index ignores removed events",
         ("prefix_reuse::test_router_prediction_matches_worker",),
