@@ -58,7 +58,11 @@ def _lm():
     from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
     from lmcache.v1.multiprocess.group_view import EngineGroupInfo
     from lmcache.v1.multiprocess.transfer_context import create_transfer_context
-    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    try:
+        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+    except ModuleNotFoundError:  # LMCache <= 0.5.3: requests go over its MessageQueueClient
+        RequestClientFactory = _MessageQueueClientFactory
 
     return {
         "EngineType": EngineType,
@@ -216,7 +220,10 @@ def _key(
 ) -> Any:
     lm = _lm()
     model = inst_or_model.model_name if isinstance(inst_or_model, _Instance) else inst_or_model
-    return lm["IPCCacheServerKey"](
+    key_type = lm["IPCCacheServerKey"]
+    # read locks per key: one reader here (LMCache <= 0.5.3 has no such field)
+    readers = {"num_kv_readers": 1} if "num_kv_readers" in key_type.__dataclass_fields__ else {}
+    return key_type(
         model_name=model,
         world_size=world_size,
         worker_id=worker_id,
@@ -224,7 +231,7 @@ def _key(
         start=start,
         end=end,
         request_id=request_id,
-        num_kv_readers=1,
+        **readers,
     )
 
 
@@ -376,6 +383,78 @@ def op_register(
     return out
 
 
+class _MessageQueueRequests:
+    """LMCache <= 0.5.3's MessageQueueClient in the typed request client's shape: each method
+    is `submit_request(RequestType.<NAME>, [args], get_response_class(...))`, as that release's
+    own vLLM adapter sends it (send_lmcache_request); the payloads match 0.5.6's RPCs."""
+
+    def __init__(self, mq: Any) -> None:
+        self.mq = mq
+
+    def send(self, mq: Any, request_type: Any, payloads: list[Any]) -> Any:
+        from lmcache.v1.multiprocess.protocol import get_response_class
+
+        return mq.submit_request(request_type, payloads, get_response_class(request_type))
+
+    def __getattr__(self, name: str) -> Any:
+        from lmcache.v1.multiprocess.protocols.base import RequestType
+
+        request_type = RequestType.__members__.get(name.upper())
+        if request_type is None:
+            return getattr(self.mq, name)
+        return lambda *args: self.send(self.mq, request_type, list(args))
+
+
+class _MessageQueueClientFactory:
+    @staticmethod
+    def create(url: str, context: Any) -> _MessageQueueRequests:
+        from lmcache.v1.multiprocess.mq import MessageQueueClient
+
+        return _MessageQueueRequests(MessageQueueClient(url, context))
+
+
+class _MessageQueueContext:
+    """LMCache <= 0.5.3's transfer context: register() also takes the raw message-queue client
+    and a request sender, and knows no engine type."""
+
+    def __init__(self, tctx: Any, instance_id: int, client: _MessageQueueRequests) -> None:
+        self._tctx, self._id, self._client = tctx, instance_id, client
+
+    def register(self, kv: Any, model: str, world_size: int, bic: int, timeout: float, **kw: Any) -> Any:
+        kw.pop("engine_type", None)
+        return self._tctx.register(
+            self._id,
+            kv,
+            model,
+            world_size,
+            bic,
+            self._client.mq,
+            timeout,
+            send_request=self._client.send,
+            **kw,
+        )
+
+    def submit_store(self, rid: str, key: Any, kv: Any, block_ids: Any, event: Any, bic: int) -> Any:
+        return self._tctx.submit_store(rid, key, self._id, kv, block_ids, event, bic)
+
+    def submit_retrieve(self, rid: str, key: Any, kv: Any, block_ids: Any, event: Any, bic: int) -> Any:
+        return self._tctx.submit_retrieve(rid, key, self._id, kv, block_ids, event, bic)
+
+    def unregister(self) -> Any:
+        return self._client.unregister_kv_cache(self._id)
+
+    def create_recorded_event(self) -> Any:
+        """What that release's connector hands to a store or retrieve (lmcache_mp_connector.py)."""
+        from lmcache import torch_dev
+
+        event = torch_dev.Event(interprocess=True)
+        event.record()
+        return event
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tctx, name)
+
+
 class _PerCallContext:
     """LMCache <= 0.5.5's transfer context in 0.5.6's shape. 0.5.5 binds no worker to a
     context: register() takes the instance id and request client, submit_store/submit_retrieve
@@ -402,10 +481,14 @@ class _PerCallContext:
 
 
 def _bound_context(tctx: Any, instance_id: int, client: Any) -> Any:
-    """0.5.6+ contexts are bound at creation; wrap a 0.5.5 one (register takes instance_id)."""
+    """0.5.6+ contexts are bound at creation; wrap a 0.5.5 one (register takes instance_id) or
+    a <= 0.5.3 one (register also takes the message-queue client and a request sender)."""
     import inspect
 
-    if "instance_id" in inspect.signature(tctx.register).parameters:
+    parameters = inspect.signature(tctx.register).parameters
+    if "send_request" in parameters:
+        return _MessageQueueContext(tctx, instance_id, client)
+    if "instance_id" in parameters:
         return _PerCallContext(tctx, instance_id, client)
     return tctx
 
