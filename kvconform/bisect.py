@@ -493,7 +493,7 @@ def _apply_defect(args: argparse.Namespace) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if args.defect:
+    if getattr(args, "defect", None):
         _apply_defect(args)
     if not args.engine or not args.check:
         raise UsageError("name ENGINE and --check GLOB (or --defect ID)")

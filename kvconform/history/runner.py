@@ -11,6 +11,7 @@ else one generated from the engine's default spec.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,12 +73,20 @@ def judge_side(defect: Defect, step: bisect.Step) -> Side:
         found.append(measure)
         side.values.append(measure.get("value"))
     if not found:
-        messages = [str(r.get("message") or "").strip().splitlines() for r in records]
-        first = next((m[0] for m in messages if m), "")
-        side.why = f"{defect.measure} not judged ({', '.join(side.outcomes)}){': ' + first if first else ''}"
+        cause = next((c for c in map(_cause, records) if c), "")
+        side.why = f"{defect.measure} not judged ({', '.join(side.outcomes)}){': ' + cause if cause else ''}"
         return side
     side.held = all(m.get("ok") is True for m in found)
     return side
+
+
+def _cause(record: dict[str, Any]) -> str:
+    """The first line of a record's message, and the innermost exception its log tail shows."""
+    lines = [ln.strip() for ln in str(record.get("message") or "").splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    inner = [ln for ln in lines[1:] if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+    return lines[0] + (f" ... {inner[-1]}" if inner and inner[-1] != lines[0] else "")
 
 
 def run_defect(defect: Defect, out: Path, say: Callable[[str], None]) -> Verdict:

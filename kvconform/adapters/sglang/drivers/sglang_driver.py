@@ -713,7 +713,7 @@ def op_transfer_manager_new(
         "kv_item_lens_sum": int(mgr.kv_item_lens_sum),
         "state_item_lens_sum": int(mgr.state_item_lens_sum),
         "is_mla": bool(mgr.is_mla_backend),
-        "replica_factor": mgr._kv_replica_factor,
+        "replica_factor": getattr(mgr, "_kv_replica_factor", None),
     }
 
 
@@ -721,6 +721,11 @@ def op_transfer_resolve(manager: int, required_dst_info_num: int | None) -> dict
     """CommonKVManager.resolve_kv_replica_factor with one decode destination's transfer info
     (a stand-in object carrying only required_dst_info_num, as decode would report it)."""
     mgr = _MANAGERS[int(manager)]
+    if not hasattr(mgr, "resolve_kv_replica_factor"):
+        # SGLang <= 0.5.15.post1 has no fan-out accounting (added by #30351): its bootstrap
+        # thread reads required_dst_info_num only to wait for every decode rank
+        # (mooncake/conn.py), and get_transfer_metric counts one copy
+        return {"replica_factor": None, "effective": 1, "fan_out_accounting": False}
     mgr.resolve_kv_replica_factor({"decode-0": SimpleNamespace(required_dst_info_num=required_dst_info_num)})
     return {"replica_factor": mgr._kv_replica_factor, "effective": int(mgr.get_kv_replica_factor())}
 
@@ -760,7 +765,7 @@ def op_transfer_metric(sender: int) -> dict:
         "transfer_total_mb": None
         if m.transfer_total_bytes is None
         else m.transfer_total_bytes / (1024 * 1024),
-        "replica_factor": int(snd.kv_mgr.get_kv_replica_factor()),
+        "replica_factor": int(getattr(snd.kv_mgr, "get_kv_replica_factor", lambda: 1)()),
     }
 
 
