@@ -42,12 +42,9 @@ def test_block_hashes_stable_across_restart(
     whole_blocks = len(prompt) // block
     first = _stored_by_prompt(engine, prompt)
     reports = engine.restart()
-    verdict.expect(
-        "teardown_leftovers",
-        sum(not r.clean for r in reports),
-        "==",
-        0,
-        note="; ".join(r.describe() for r in reports),
+    # What a restart leaves behind is the churn checks' promise (memory_reclaim), judged there.
+    verdict.record(
+        "teardown_leftovers", sum(not r.clean for r in reports), note="; ".join(r.describe() for r in reports)
     )
     second = _stored_by_prompt(engine, prompt)
     verdict.require("blocks_announced_first_process", len(first), ">=", whole_blocks, "blocks")
