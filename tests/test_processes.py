@@ -254,3 +254,17 @@ def test_free_port_distinct_across_processes() -> None:
     assert len(ports) == 900
     assert len(set(ports)) == len(ports)
     assert all(30000 <= p < 32000 for p in ports)  # gw5's range
+
+
+def test_engine_hashes_with_its_own_seed_not_the_runners(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    code = "import os; print('seed', os.environ.get('PYTHONHASHSEED'))"
+    inherited = EngineProcess("seedless", [sys.executable, "-c", code], tmp_path / "a.log")
+    given = EngineProcess(
+        "seeded", [sys.executable, "-c", code], tmp_path / "b.log", env={"PYTHONHASHSEED": "3"}
+    )
+    for proc in (inherited, given):
+        proc.popen.wait(timeout=30)
+        proc.stop(grace_s=1)
+    assert "seed None" in (tmp_path / "a.log").read_text()
+    assert "seed 3" in (tmp_path / "b.log").read_text()
