@@ -119,7 +119,10 @@ FAULTS: dict[str, Fault] = {
         "vLLM before #51875 (0.28.0 and earlier): NONE_HASH = os.urandom(32) when PYTHONHASHSEED "
         "is unset, so no two processes announce the same hashes for the same tokens, and "
         "LMCache #1139: what one process persisted under its hashes is never found by the next",
-        ("block_hashes_lost_across_restart", "cached_tokens_after_restart"),
+        (
+            "prefix_reuse::test_block_hashes_stable_across_restart:block_hashes_lost_across_restart",
+            "prefix_reuse::test_hits_survive_restart:cached_tokens_after_restart",
+        ),
     ),
     "router_index_stale": Fault(
         "the router-side prefix index ignores removed events",
