@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvconform.history.corpus import Defect
 from kvconform.history.runner import Side, Verdict
+from kvconform.results import source_commit
 
 Row = dict[str, Any]
 
@@ -115,18 +115,9 @@ def render(table: Sequence[Row], commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write(table: Sequence[Row], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(table, _commit()))
+    out.write_text(render(table, source_commit()))
     out.with_suffix(".json").write_text(
-        json.dumps({"commit": _commit(), "rows": list(table)}, indent=1) + "\n"
+        json.dumps({"commit": source_commit(), "rows": list(table)}, indent=1) + "\n"
     )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 
 from kvconform import registry
 from kvconform.mutants.catalog import mutants_of
 from kvconform.mutants.proof import prove_engine, write
-from kvconform.results import load_records
+from kvconform.results import load_records, source_commit
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -33,15 +32,6 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         proofs.append(proof)
     out = Path(args.out)
-    write(proofs, out, _commit())
+    write(proofs, out, source_commit())
     print(f"[mutants] proof table: {out}")
     return 0 if all(o.status == "killed" for p in proofs for o in p.outcomes) else 1
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"

@@ -413,48 +413,6 @@ class _MessageQueueClientFactory:
         return _MessageQueueRequests(MessageQueueClient(url, context))
 
 
-class _MessageQueueContext:
-    """LMCache <= 0.5.3's transfer context: register() also takes the raw message-queue client
-    and a request sender, and knows no engine type."""
-
-    def __init__(self, tctx: Any, instance_id: int, client: _MessageQueueRequests) -> None:
-        self._tctx, self._id, self._client = tctx, instance_id, client
-
-    def register(self, kv: Any, model: str, world_size: int, bic: int, timeout: float, **kw: Any) -> Any:
-        kw.pop("engine_type", None)
-        return self._tctx.register(
-            self._id,
-            kv,
-            model,
-            world_size,
-            bic,
-            self._client.mq,
-            timeout,
-            send_request=self._client.send,
-            **kw,
-        )
-
-    def submit_store(self, rid: str, key: Any, kv: Any, block_ids: Any, event: Any, bic: int) -> Any:
-        return self._tctx.submit_store(rid, key, self._id, kv, block_ids, event, bic)
-
-    def submit_retrieve(self, rid: str, key: Any, kv: Any, block_ids: Any, event: Any, bic: int) -> Any:
-        return self._tctx.submit_retrieve(rid, key, self._id, kv, block_ids, event, bic)
-
-    def unregister(self) -> Any:
-        return self._client.unregister_kv_cache(self._id)
-
-    def create_recorded_event(self) -> Any:
-        """What that release's connector hands to a store or retrieve (lmcache_mp_connector.py)."""
-        from lmcache import torch_dev
-
-        event = torch_dev.Event(interprocess=True)
-        event.record()
-        return event
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tctx, name)
-
-
 class _PerCallContext:
     """LMCache <= 0.5.5's transfer context in 0.5.6's shape. 0.5.5 binds no worker to a
     context: register() takes the instance id and request client, submit_store/submit_retrieve
@@ -478,6 +436,27 @@ class _PerCallContext:
 
     def __getattr__(self, name: str) -> Any:  # create_recorded_event, close, ...
         return getattr(self._tctx, name)
+
+
+class _MessageQueueContext(_PerCallContext):
+    """LMCache <= 0.5.3's transfer context: as 0.5.5's, but register() also takes the raw
+    message-queue client and a request sender and knows no engine type, and events are made by
+    the caller."""
+
+    def register(self, kv: Any, model: str, world_size: int, bic: int, timeout: float, **kw: Any) -> Any:
+        kw.pop("engine_type", None)
+        client = self._client
+        return self._tctx.register(
+            self._id, kv, model, world_size, bic, client.mq, timeout, send_request=client.send, **kw
+        )
+
+    def create_recorded_event(self) -> Any:
+        """What that release's connector hands to a store or retrieve (lmcache_mp_connector.py)."""
+        from lmcache import torch_dev
+
+        event = torch_dev.Event(interprocess=True)
+        event.record()
+        return event
 
 
 def _bound_context(tctx: Any, instance_id: int, client: Any) -> Any:
