@@ -5,13 +5,14 @@ prefix's, a stale copy) changes nothing a counter reads; only the answer shows i
 where a model computes the answer from the KV (Capability.ANSWERS_FROM_KV), over
 ANSWER_TOKENS greedy tokens: one token is too often the same whatever the context.
 
-What is judged is the first answer token; how many of the ANSWER_TOKENS agree is recorded. A
-cached prefix is computed on another kernel path than a full prefill, and in bf16 the two are not
-bitwise equal (vLLM promises that only in its batch-invariant mode): a near-tie later in the
-answer can flip. Measured in CI on 2026-12-02 (vLLM 0.32.0, after a reset): 5 of 8 tokens agreed,
-[3753, 1642, 97, 1450, 1642, 2746, ...] vs [3753, 1642, 97, 1450, 1642, 97, ...], where earlier runs
-agreed on all 8. Wrong KV changes the first token (vLLM mutant hit_serves_wrong_block: 0 of 8
-agreeing), unless the answer is degenerate either way (the same token 8 times: nothing reads it).
+What is judged is how many tokens the two answers agree on before they first differ: at least
+ANSWER_AGREEING of ANSWER_TOKENS. A cached prefix is computed on another kernel path than a full
+prefill, and in bf16 the two are not bitwise equal (vLLM promises that only in its batch-invariant
+mode): a near-tie late in the answer can flip. Measured in CI on 2026-12-02 (vLLM 0.32.0, after a
+reset): 5 of 8 agreed, [3753, 1642, 97, 1450, 1642, 2746, ...] vs [3753, 1642, 97, 1450, 1642, 97,
+...], where earlier runs agreed on all 8. Wrong KV diverges at once: the mutants
+hit_serves_wrong_block agreed on 0 of 8 (vLLM) and on 1 and 0 of 8 (sglang-server). An answer
+degenerate either way (one token 8 times) agrees whatever the KV: nothing can read it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvconform.contract import ServedPrompt
 from kvconform.results import Verdict
 
 ANSWER_TOKENS = 8
+ANSWER_AGREEING = 4  # half the answer: late near-ties pass, wrong KV (0-1 agreeing) does not
 
 
 def answer_tokens(has: Callable[[C], bool]) -> int:
@@ -48,10 +50,12 @@ def judge_same_answer(
         (i for i, (a, b) in enumerate(zip(cached.output, uncached.output, strict=False)) if a != b),
         min(len(cached.output), len(uncached.output)),
     )
-    verdict.record(f"{name}.tokens_agreeing", agreeing, "tokens", note=f"of {len(uncached.output)}")
-    verdict.equal(
+    verdict.expect(
         name,
-        int(cached.output[:1] == uncached.output[:1]),
-        1,
-        note=f"first greedy token; from cache {cached.output} vs computed without it {uncached.output}",
+        agreeing,
+        ">=",
+        min(ANSWER_AGREEING, len(uncached.output)),
+        "tokens",
+        note=f"greedy tokens agreeing before the first difference: from cache {cached.output} "
+        f"vs computed without it {uncached.output}",
     )
