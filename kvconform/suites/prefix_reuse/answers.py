@@ -11,7 +11,7 @@ prefill, and in bf16 the two are not bitwise equal (vLLM promises that only in i
 mode): a near-tie late in the answer can flip. Measured in CI on 2026-12-02 (vLLM 0.32.0, after a
 reset): 5 of 8 agreed, [3753, 1642, 97, 1450, 1642, 2746, ...] vs [3753, 1642, 97, 1450, 1642, 97,
 ...], where earlier runs agreed on all 8. Wrong KV diverges at once: the mutants
-hit_serves_wrong_block agreed on 0 of 8 (vLLM) and on 1 and 0 of 8 (sglang-server). An answer
+hit_serves_wrong_block agreed on 0 of 8 (vLLM), 1 and 0 (sglang-server), 1 and 3 (oMLX). An answer
 degenerate either way (one token 8 times) agrees whatever the KV: nothing can read it.
 """
 
