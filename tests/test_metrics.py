@@ -142,3 +142,19 @@ def test_snapshot_value_with_no_labels_asked_sums_all() -> None:
     assert snap.value("x") == 7.0
     assert snap.value("x", a="2") == 5.0
     assert snap.value("x", a="2", b="4") == 0.0
+
+
+def test_only_names_parses_just_the_metrics_a_sampler_reads() -> None:
+    from kvconform.metrics import only_names
+
+    text = (
+        "# HELP a:hist h\n# TYPE a:hist histogram\n"
+        'a:hist_bucket{le="1.0"} 1.0\na:hist_bucket{le="+Inf"} 2.0\na:hist_count 2.0\na:hist_sum 3.0\n'
+        "# HELP a:usage u\n# TYPE a:usage gauge\na:usage 0.25\n"
+        "# HELP a:bytes b\n# TYPE a:bytes counter\na:bytes_total 4096.0\n"
+    )
+    with only_names(["a:usage", "a:bytes_total{kind=x}"]):
+        kept = parse_prometheus(text)
+    assert kept.names() == ["a:bytes_total", "a:usage"]
+    assert kept.value("a:bytes_total") == 4096.0 and kept.value("a:usage") == 0.25
+    assert "a:hist_count" in parse_prometheus(text).names()  # outside the context: everything

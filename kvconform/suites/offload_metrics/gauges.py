@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconform.contract import EngineAdapter
+from kvconform.metrics import only_names
 from kvconform.sampling import PeriodicSampler
 
 GAUGES = ("offload_usage", "offload_write_usage", "offload_read_usage")
@@ -28,9 +29,13 @@ class GaugeSampler(PeriodicSampler):
         self.engine = engine
         self.samples: list[GaugeSample] = []
         self.counter_names = [c for c in COUNTERS if c in engine.metric_names]
+        self.scraped = [
+            engine.metric_names[m] for m in (*GAUGES, *self.counter_names) if m in engine.metric_names
+        ]
 
     def sample(self) -> None:
-        snap = self.engine.metrics()
+        with only_names(self.scraped):
+            snap = self.engine.metrics()
         usage, write, read = (self.engine.metric(g, snap) for g in GAUGES)
         counters = {c: self.engine.metric(c, snap) for c in self.counter_names}
         self.samples.append(GaugeSample(self.now(), usage, write, read, counters))
