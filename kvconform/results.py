@@ -79,6 +79,8 @@ class Verdict:
         self.concluded = False
         # The AssertionError conclude() raised: a known finding's xfail holds only for it.
         self.concluded_failure: AssertionError | None = None
+        # judged at conclude(), before the verdict: measures every check of an engine carries
+        self.before_conclude: list[Callable[[Verdict], None]] = []
 
     def record(
         self,
@@ -201,6 +203,8 @@ class Verdict:
         self.concluded = True
         if not any(m.op is not None and not m.precondition for m in self.measures):
             raise AssertionError(f"{self.check}: no expectation was checked (a check must be able to fail)")
+        for judge in self.before_conclude:  # after the test above: they never make a check non-vacuous
+            judge(self)
         if self.failures:
             judged = "could not judge (a precondition is not met): " if self.unmet else ""
             head = f"[{self.engine}] {self.check}: {judged}" + "; ".join(m.describe() for m in self.failures)

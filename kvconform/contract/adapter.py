@@ -624,6 +624,12 @@ class EngineAdapter(ABC):
     def log_tail(self, lines: int = 40) -> str:
         return ""
 
+    def self_check_alarms(self) -> list[str] | None:
+        """The alarms the engine's own built-in invariant checks raised since the last call (its
+        lines), each check judging that none fired during it; None where the engine has no
+        such check wired (nothing is judged)."""
+        return None
+
     def describe_logs(self) -> dict[str, str]:
         """Log tails by process name, attached to the report on failure."""
         return {}

@@ -18,6 +18,19 @@ verdict_key = pytest.StashKey[Verdict]()
 outcome_key = pytest.StashKey[str]()
 
 
+def judge_self_checks(engine: EngineAdapter, verdict: Verdict) -> None:
+    """The engine's own invariant checks (e.g. SGLang's idle pool audit) raised no alarm while
+    this check ran: a measure of every check on an engine that has such checks."""
+    alarms = engine.self_check_alarms() or []
+    verdict.equal(
+        "engine_self_check_alarms",
+        len(alarms),
+        0,
+        note="; ".join(a[:300] for a in alarms[:3])
+        or f"engine {engine.name}'s own invariant checks stayed quiet",
+    )
+
+
 class Fixtures:
     @pytest.fixture(scope="session")
     @staticmethod
@@ -44,8 +57,12 @@ class Fixtures:
     @staticmethod
     def verdict(request: pytest.FixtureRequest) -> Iterator[Verdict]:
         """Measurements and expectations of the running check; it must conclude()."""
-        v = Verdict(check_id(request.node), engine_of(request.node) or "-")
+        name = engine_of(request.node)
+        v = Verdict(check_id(request.node), name or "-")
         request.node.stash[verdict_key] = v
+        engine = kv_session(request.config).adapter(name) if name else None
+        if engine is not None and engine.self_check_alarms() is not None:  # drains earlier alarms
+            v.before_conclude.append(lambda verdict: judge_self_checks(engine, verdict))
         yield v
         if not v.concluded and request.node.stash.get(outcome_key, "passed") == "passed":
             raise AssertionError(f"{v.check}: the check never concluded its verdict")
