@@ -110,6 +110,7 @@ def test_sglang_server_reports_its_tree_on_a_gpu(tmp_path, monkeypatch):
     engine._gpu_before = 2**30
     monkeypatch.setattr(engine, "engine_pids", lambda: [21, 22])
     monkeypatch.setattr(engine, "running", lambda: True)
+    monkeypatch.setattr(engine, "kv_tokens_held_bytes", lambda: 0)  # /v1/loads, not what this tests
     monkeypatch.setattr(engine, "env", lambda: SimpleNamespace(spec=SimpleNamespace(gpu=True)))
     with pytest.raises(EngineError, match="0 bytes"):
         engine.reclaim_probe()  # a running CUDA server NVML gives 0 bytes to: an error

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -74,6 +75,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
 from kvconform.metrics import MetricSnapshot
@@ -105,6 +107,14 @@ def check(argv):
 """
 RESET_RETRY_S = 10.0  # /flush_cache answers 400 while requests are running or waiting
 FLUSH_WAIT_S = 2.0  # ?timeout= asks the scheduler to wait this long for idle itself
+# SGLang's own idle audit (scheduler.py on_idle -> SchedulerInvariantChecker, 0.5.23): available +
+# evictable + protected + session-held == total for the token pool, free req slots == total, no
+# duplicate or in-use page in the free lists. Strict (SGLang's default) raises in the scheduler and
+# kills the server; warn logs the first alarm and every 1000th after (raise_error_or_warn), so the
+# check during which it first fired carries it as a measure and the session goes on.
+SELF_CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
+SELF_CHECK_ALARM = re.compile(r"memory leak detected|KV double free|KV page use-after-free|Mem Leak Detected")
+SELF_CHECK_SETTLE_S = 0.5  # the scheduler reaches on_idle (and its audit) just after the last response
 
 # What works over HTTP against a server the suite launched (attach mode removes the rest).
 SERVER_CAPABILITIES = frozenset(
@@ -119,6 +129,8 @@ SERVER_CAPABILITIES = frozenset(
         C.HOST_MEMORY,
         C.KV_EVENTS,  # launch mode binds the subscriber before the server starts
         C.ABORT_REQUESTS,
+        C.INSTANCE_CHURN,  # whole-server restarts (RestartChurn)
+        C.LONG_SESSION,  # judged by the tokens SGLang's pool says requests hold (/v1/loads)
     }
 )
 
@@ -133,7 +145,7 @@ SERVER_METRICS: dict[str, str] = {
 }
 
 
-class SglangServerAdapter(EngineAdapter):
+class SglangServerAdapter(RestartChurn, EngineAdapter):
     name = "sglang-server"
     env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE
@@ -163,6 +175,8 @@ class SglangServerAdapter(EngineAdapter):
         self._launches = 0
         self.profile = self.launch_profile()
         self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
+        self._alarm_log: Path | None = None  # the server log self_check_alarms() reads, and how far
+        self._alarm_offset = 0
 
     def preflight(self) -> None:
         super().preflight()
@@ -341,7 +355,7 @@ class SglangServerAdapter(EngineAdapter):
 
     def server_env(self, tmpdir: Path) -> dict[str, str]:
         offline = os.environ.get("HF_HUB_OFFLINE", "0" if os.environ.get(MODEL_ENV) else "1")
-        env = {"HF_HUB_OFFLINE": offline, "TMPDIR": str(tmpdir)}
+        env = {"HF_HUB_OFFLINE": offline, "TMPDIR": str(tmpdir), **SELF_CHECK_ENV}
         if self.cpu_engine():
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(str(d) for d in STUB_DIRS)
@@ -396,7 +410,30 @@ class SglangServerAdapter(EngineAdapter):
             raise EngineError(self.name, str(exc)) from None
 
     def kv_pool_bytes(self) -> int:
-        raise NotImplementedError("SGLang server mode: the pool size is the server's own")
+        """The pool the suite asked for (--max-total-tokens) in bytes; else the server's own."""
+        asked = self.pool_args()
+        tokens = int(asked[1]) if asked else int_field(self.pool_load(), "max_total_num_tokens", "/v1/loads")
+        return tokens * self.model.kv_bytes_per_token()
+
+    def pool_load(self) -> dict[str, Any]:
+        """GET /v1/loads: the scheduler's pool counts, computed when asked (not the lazy gauge)."""
+        loads = self.get_json("/v1/loads?include=core,memory", timeout=self.ctx.request_timeout_s).get(
+            "loads"
+        )
+        if not loads:
+            raise EngineError(self.name, f"/v1/loads has no loads: {loads!r}", self.log_tail())
+        return dict(loads[0])
+
+    def kv_tokens_held_bytes(self) -> int:
+        """The tokens requests hold in SGLang's pool now, by its own count (/v1/loads
+        num_used_tokens = total - available - evictable, pool_stats_observer._get_token_info),
+        in bytes: 0 at idle, whatever the radix cache keeps (that is evictable)."""
+        time.sleep(SELF_CHECK_SETTLE_S)  # the finishing step frees the request's KV just after the response
+        try:
+            used = int_field(self.pool_load(), "num_used_tokens", "/v1/loads")
+        except ValueError as exc:
+            raise EngineError(self.name, str(exc), self.log_tail()) from None
+        return used * self.model.kv_bytes_per_token()
 
     # ---- requests -----------------------------------------------------------------------
     def generate_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -475,12 +512,19 @@ class SglangServerAdapter(EngineAdapter):
         return self.server.pids() if self.server is not None else []
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
-        """On GPU runners, NVML: per-process GPU memory of the server's tree (exact; 0 bytes
-        from a running CUDA build is an error) and device-wide used memory against the one
-        before the first start. On CPU none: the long session is judged by RSS. UNVERIFIED on
-        a GPU (NVML mocked in tests/test_gpu_specs.py)."""
+        """What the restarted servers left (processes, /dev/shm bytes: RestartChurn); while one
+        runs, the KV its requests hold by SGLang's own count (exact). On GPU runners, NVML:
+        per-process GPU memory of the server's tree (exact; 0 bytes from a running CUDA build is
+        an error) and device-wide used memory against the one before the first start
+        (UNVERIFIED on a GPU: NVML mocked in tests/test_gpu_specs.py)."""
+        measures = {} if self.attached else self.restart_leftover_measures()
+        if self.running():
+            measures["kv_tokens_held_bytes"] = MemoryMeasure(self.kv_tokens_held_bytes(), True)
         holds_cuda = self.running() and not self.attached and self.env().spec.gpu
-        return gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
+        measures.update(
+            gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
+        )
+        return measures
 
     # ---- engine-internal structures: only the in-process adapter reaches them -------------
     def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
@@ -489,6 +533,23 @@ class SglangServerAdapter(EngineAdapter):
     # ---- logs -----------------------------------------------------------------------------
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server is not None else ""
+
+    def self_check_alarms(self) -> list[str] | None:
+        """SGLang's idle audit's alarm lines in the server log since the last call ([] while no
+        server runs; None attached: the suite does not read that server's log)."""
+        if self.attached:
+            return None
+        if self.server is None:
+            return []
+        time.sleep(SELF_CHECK_SETTLE_S)
+        path = self.server.process.log_path
+        with open(path, "rb") as log:
+            if self._alarm_log != path:  # a new launch: its log is read from the start
+                self._alarm_log, self._alarm_offset = path, 0
+            log.seek(self._alarm_offset)
+            text = log.read().decode("utf-8", "replace")
+            self._alarm_offset = log.tell()
+        return [line for line in text.splitlines() if SELF_CHECK_ALARM.search(line)]
 
     def describe_logs(self) -> dict[str, str]:
         logs = {"sglang server": self.log_tail(80)} if self.server is not None else {}

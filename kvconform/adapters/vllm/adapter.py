@@ -24,6 +24,7 @@ from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
@@ -70,7 +71,7 @@ def check(argv):
 SHUTDOWN_GRACE_S = 10
 
 
-class VllmAdapter(EngineAdapter):
+class VllmAdapter(RestartChurn, EngineAdapter):
     name = "vllm"
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
@@ -112,7 +113,6 @@ class VllmAdapter(EngineAdapter):
         "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
         "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
     }
-    churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
     # Attached, the suite neither binds the server's event sockets nor configures its
     # offload tier: those checks need launch mode.
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
@@ -124,7 +124,6 @@ class VllmAdapter(EngineAdapter):
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.server: LaunchedServer | None = None
-        self.churn_leftovers = {"processes": 0, "shm_bytes": 0}
         self._attached_block: int | None = None
         self._model_dir: Path | None = None
         self.profile = self.launch_profile()
@@ -505,36 +504,13 @@ class VllmAdapter(EngineAdapter):
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, object]:
         return {"model": self.served_model_name(), **super().completion_body(tokens, max_tokens, stream)}
 
-    # ---- instance churn: whole-server restart cycles -------------------------------------
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, object]:
-        """Start the server (if it is not running), load it, stop it: the process tree must
-        be gone and its /dev/shm files removed, every cycle."""
-        if path != "restart":
-            raise NotImplementedError(f"vLLM has no release path {path!r}")
-        self.ensure(self.config or EngineConfig())
-        for shift in range(3):
-            self.serve_prompt(tokens[: len(tokens) - shift])
-        reports = self.stop()
-        for report in reports:
-            self.churn_leftovers["processes"] += len(report.leftover_processes)
-            self.churn_leftovers["shm_bytes"] += sum(report.leftover_shm.values())
-        return {"teardown": [r.describe() for r in reports]}
-
-    def churn_cycles(self, path: str, requested: int) -> int:
-        return min(requested, 3)  # each cycle is a ~35 s server start on CPU
-
-    def churn_warmup_path(self, path: str) -> str:
-        return path
-
+    # ---- instance churn: whole-server restart cycles (RestartChurn) -----------------------
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """What the released servers left: processes and /dev/shm bytes found (and removed)
         at teardown, cumulative over cycles; on GPU runners NVML: per-process GPU memory of the
         running server's tree (exact; 0 bytes from a running CUDA build is an error) and the
         device-wide used memory against the one before the first start."""
-        measures = {
-            "restart_leftover_processes": MemoryMeasure(self.churn_leftovers["processes"], True, "processes"),
-            "restart_leftover_shm_bytes": MemoryMeasure(self.churn_leftovers["shm_bytes"], True),
-        }
+        measures = self.restart_leftover_measures()
         if self._serving and self.running():
             measures["kv_blocks_held_bytes"] = MemoryMeasure(self.kv_blocks_held_bytes(), True)
         holds_cuda = self._serving and self.running() and self.gpu_build()

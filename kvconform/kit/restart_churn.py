@@ -1,0 +1,56 @@
+"""Instance churn by whole-server restarts, for an engine whose instance is its server: start
+(if not running), load, stop; the process tree must be gone and its /dev/shm files removed,
+every cycle. An adapter composes it before EngineAdapter in its bases."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvconform.contract import EngineConfig
+from kvconform.memory import MemoryMeasure
+
+if TYPE_CHECKING:
+    from kvconform.contract import EngineAdapter
+
+    _Base = EngineAdapter
+else:
+    _Base = object
+
+RESTART = "restart"
+
+
+class RestartChurn(_Base):
+    churn_paths: ClassVar[tuple[str, ...]] = (RESTART,)
+    restart_cycles: ClassVar[int] = 3  # each cycle is a server start of half a minute on CPU
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        if path != RESTART:
+            raise NotImplementedError(f"engine {self.name} has no release path {path!r}")
+        self.ensure(self.config or EngineConfig())
+        for shift in range(3):
+            self.serve_prompt(tokens[: len(tokens) - shift])
+        reports = self.stop()
+        left = self.restart_leftovers()
+        for report in reports:
+            left["processes"] += len(report.leftover_processes)
+            left["shm_bytes"] += sum(report.leftover_shm.values())
+        return {"teardown": [r.describe() for r in reports]}
+
+    def churn_cycles(self, path: str, requested: int) -> int:
+        return min(requested, self.restart_cycles)
+
+    def churn_warmup_path(self, path: str) -> str:
+        return path
+
+    def restart_leftovers(self) -> dict[str, int]:
+        """What the stopped servers left (and the teardown removed), cumulative over cycles."""
+        if not hasattr(self, "_restart_leftovers"):
+            self._restart_leftovers = {"processes": 0, "shm_bytes": 0}
+        return self._restart_leftovers
+
+    def restart_leftover_measures(self) -> dict[str, MemoryMeasure]:
+        left = self.restart_leftovers()
+        return {
+            "restart_leftover_processes": MemoryMeasure(left["processes"], True, "processes"),
+            "restart_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True),
+        }
