@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--list", action="store_true", help="list the defects that have a repro")
     repro.add_argument("--timeout", type=float, default=600.0, help="seconds before the repro is stopped")
     repro.add_argument("--env", help="the environment spec to run it in (default: the engine's)")
+    inv = sub.add_parser("inventory", help="engine x capability inventory, cited (docs/inventory.md)")
+    inv.add_argument("--out", default="docs/inventory.md", help="where the table goes")
     mut = sub.add_parser("mutants", help="run the engines' mutants and write the per-engine proof table")
     mut.add_argument("--engine", action="append", default=[], help="engine (default: every one with mutants)")
     mut.add_argument("--mutant", action="append", default=[], help="only these mutants (default: all)")
@@ -193,6 +195,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from kvconform.mutants.runner import run_cli
 
         return run_cli(args)
+    if args.command == "inventory":
+        from pathlib import Path
+
+        from kvconform import inventory
+
+        print(inventory.write(Path(args.out)))
+        return 0
     if args.command == "dashboard":
         from kvconform import dashboard
 

@@ -16,6 +16,7 @@ headline states ("N findings, M new failures").
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvconform import inventory
 from kvconform.checkids import base_check
-from kvconform.errors import UsageError
+from kvconform.contract.capabilities import Capability
+from kvconform.errors import KvconformError, UsageError
 
 MARKDOWN_NAME = "dashboard.md"
 HTML_NAME = "dashboard.html"
@@ -118,7 +121,7 @@ def is_new_failure(record: dict[str, Any]) -> bool:
 class Cell:
     engine: str
     check: str
-    state: str  # pass | finding | failed | skip | absent
+    state: str  # pass | finding | failed | lacks | gpu | todo | skip | absent
     text: str  # short, for the cell
     detail: str = ""  # longer, for a tooltip / the markdown's notes
     link: str = ""
@@ -148,9 +151,42 @@ def cell_of(record: dict[str, Any]) -> Cell:
             engine, check, "failed", f"{outcome}: {what}", detail, finding_link(record.get("finding", ""))
         )
     if outcome == "skipped":
-        cap = lacked_capability(record)
-        return Cell(engine, check, "skip", f"skip: lacks {cap}" if cap else f"skip: {skip_reason(record)}")
+        return skipped_cell(engine, check, record)
     return Cell(engine, check, "failed", f"{outcome}: {first_line(record.get('message', ''))}")
+
+
+# the three kinds of empty cell a capability skip is (kvconform.inventory), apart from "skip"
+_EMPTY_KIND = {
+    inventory.LACKS: ("lacks", "n/a: engine lacks"),
+    inventory.NEEDS_GPU: ("gpu", "needs a GPU:"),
+    inventory.NOT_IMPLEMENTED: ("todo", "not implemented:"),
+}
+
+
+def skipped_cell(engine: str, check: str, record: dict[str, Any]) -> Cell:
+    """A capability skip as the kind of empty cell the engine's inventory says it is: the engine
+    lacks the feature (cited), it needs a GPU, or the adapter does not reach it yet."""
+    cap = lacked_capability(record)
+    if not cap:
+        return Cell(engine, check, "skip", f"skip: {skip_reason(record)}")
+    missing = [c for c in Capability if re.search(rf"\b{c.value}\b", cap)]
+    inv = _inventory(engine)
+    kind = inventory.skip_kind(inv, missing) if inv is not None and missing else inventory.HAS
+    if kind not in _EMPTY_KIND:  # no inventory, or missing in this mode only (attach)
+        return Cell(engine, check, "skip", f"skip: lacks {cap}")
+    state, label = _EMPTY_KIND[kind]
+    cells = [inv.cells[c] for c in missing if c in inv.cells and inv.cells[c].status == kind]
+    named = ", ".join(c.capability.value for c in cells) or cap
+    detail = "; ".join(f"{c.capability}: {c.note} ({c.source})" for c in cells)
+    return Cell(engine, check, state, f"{label} {named}", detail)
+
+
+@functools.cache
+def _inventory(engine: str) -> inventory.EngineInventory | None:
+    try:
+        return inventory.load(engine)
+    except KvconformError:
+        return None
 
 
 @dataclass
@@ -239,7 +275,35 @@ def load(results_dir: str | Path) -> dict[str, Any]:
     return data
 
 
-_MARK = {"pass": "✅", "finding": "🟧", "failed": "❌", "skip": "⏭", "absent": ""}
+_MARK = {
+    "pass": "✅",
+    "finding": "🟧",
+    "failed": "❌",
+    "lacks": "—",
+    "gpu": "🖥",
+    "todo": "❗",
+    "skip": "⏭",
+    "absent": "",
+}
+
+
+def empty_cells(dash: Dashboard) -> dict[str, dict[str, int]]:
+    """Per engine, how many cells are empty of each kind (lacks, gpu, todo, skip)."""
+    out: dict[str, dict[str, int]] = {
+        e: dict.fromkeys(("lacks", "gpu", "todo", "skip"), 0) for e in dash.engines
+    }
+    for (engine, _), cell in dash.cells.items():
+        if cell.state in out.get(engine, {}):
+            out[engine][cell.state] += 1
+    return out
+
+
+def empty_line(dash: Dashboard, engine: str) -> str:
+    n = empty_cells(dash)[engine]
+    return (
+        f"{n['lacks']} engine lacks (cited), {n['gpu']} need a GPU, "
+        f"{n['todo']} not implemented, {n['skip']} other skips"
+    )
 
 
 def _md(text: str) -> str:
@@ -251,13 +315,14 @@ def render_markdown(dash: Dashboard) -> str:
     lines.append(f"**{headline(dash.counts)}** — {dash.counts.get('checks', 0)} checks")
     lines.append("")
     for engine in dash.engines:
-        lines.append(f"- **{_md(engine)}** {_md(dash.versions.get(engine, '-'))}")
+        lines.append(f"- **{_md(engine)}** {_md(dash.versions.get(engine, '-'))}: {empty_line(dash, engine)}")
     lines.append(f"- platform: {_md(dash.platform)}")
     lines.append(f"- generated: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(dash.generated))}")
     lines.append("")
     lines.append("| Promise | Check | " + " | ".join(_md(e) for e in dash.engines) + " |")
     lines.append("|---|---|" + "---|" * len(dash.engines))
     notes: list[str] = []
+    empties: list[str] = []
     for check in dash.checks:
         row = [_md(promise_of(check)), f"`{_md(check)}`"]
         for engine in dash.engines:
@@ -268,9 +333,13 @@ def render_markdown(dash: Dashboard) -> str:
             row.append(text)
             if cell.state == "finding" and cell.detail:
                 notes.append(f"- {_md(engine)} `{_md(check)}`: {_md(cell.detail)}")
+            elif cell.state in ("lacks", "gpu", "todo") and cell.detail:
+                empties.append(f"- {_md(engine)} `{_md(check)}`: {_md(cell.detail)}")
         lines.append("| " + " | ".join(row) + " |")
     if notes:
         lines += ["", "Findings:", "", *notes]
+    if empties:
+        lines += ["", "Empty cells, from each engine's inventory (docs/inventory.md):", "", *empties]
     return "\n".join(lines) + "\n"
 
 
@@ -284,15 +353,21 @@ th{background:#f6f8fa;position:sticky;top:0} td.check{font-family:ui-monospace,m
 td.promise{color:#555;white-space:nowrap} td.cell{max-width:340px}
 td.pass{background:#dafbe1} td.finding{background:#fff1cc} td.failed{background:#ffd7d5}
 td.skip{background:#f3f4f6;color:#57606a} td.absent{color:#bbb;text-align:center}
+td.lacks{background:#fafafa;color:#8c959f} td.gpu{background:#eef4ff;color:#57606a}
+td.todo{background:#fde2ff;color:#6e2c73}
 .legend span{display:inline-block;padding:1px 8px;margin-right:6px;border:1px solid #d0d7de;font-size:12px}
 .legend .pass{background:#dafbe1} .legend .finding{background:#fff1cc} .legend .failed{background:#ffd7d5}
-.legend .skip{background:#f3f4f6}
+.legend .skip{background:#f3f4f6} .legend .lacks{background:#fafafa} .legend .gpu{background:#eef4ff}
+.legend .todo{background:#fde2ff}
 """
 
 
 def render_html(dash: Dashboard) -> str:
     e = html.escape
-    head = [f"<b>{e(engine)}</b> {e(dash.versions.get(engine, '-'))}" for engine in dash.engines]
+    head = [
+        f"<b>{e(engine)}</b> {e(dash.versions.get(engine, '-'))} ({e(empty_line(dash, engine))})"
+        for engine in dash.engines
+    ]
     rows = []
     for check in dash.checks:
         cells = []
@@ -324,7 +399,10 @@ def render_html(dash: Dashboard) -> str:
             ("pass", "pass"),
             ("finding", "finding (known, with its measure)"),
             ("failed", "failed (new)"),
-            ("skip", "skip (capability)"),
+            ("lacks", "n/a: the engine lacks the feature (cited)"),
+            ("gpu", "needs a GPU (cannot run on this machine)"),
+            ("todo", "not implemented yet (the engine has it)"),
+            ("skip", "skip (other reason)"),
             ("absent", "- not applicable"),
         )
     )

@@ -88,7 +88,8 @@ def test_cells_headline_and_versions() -> None:
     assert finding.link == LINK
     assert dash.cell("sglang", "memory_reclaim::test_churn_returns_to_baseline").state == "pass"
     skip = dash.cell("lmcache", "prefix_reuse::test_radix_cache_state_machine")
-    assert (skip.state, skip.text) == ("skip", "skip: lacks radix_cache_model")
+    # LMCache has no radix cache (its inventory says so, cited): n/a, not "not implemented"
+    assert (skip.state, skip.text) == ("lacks", "n/a: engine lacks radix_cache_model") and skip.detail
     failed = dash.cell("sglang", "transfer::test_transfer_bytes_reconcile")
     assert failed.state == "failed" and "bytes_delta = 12 B (expected == 0 B)" in failed.text
     assert dash.cell("lmcache", "transfer::test_transfer_bytes_reconcile").state == "absent"
@@ -102,7 +103,7 @@ def test_cells_headline_and_versions() -> None:
     assert f"([upstream]({LINK}))" in md
     page = dashboard.render_html(dash)
     assert page.count('class="cell ') == 2 * len(dash.checks)
-    assert 'data-state="finding"' in page and 'data-state="skip"' in page and 'data-state="absent"' in page
+    assert 'data-state="finding"' in page and 'data-state="lacks"' in page and 'data-state="absent"' in page
 
 
 def test_dashboard_command_writes_markdown_and_html(tmp_path: Path, capsys: Any) -> None:
