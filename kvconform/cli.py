@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     mut.add_argument(
         "--reuse", action="store_true", help="keep sessions already recorded under --work (rewrite the table)"
     )
+    mut.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge into the table at --out (these mutants replace their rows)",
+    )
     mut.add_argument("--work", default="results/mutants", help="where each session's results go")
     mut.add_argument("--out", default="docs/mutants.md", help="the proof table (and .json beside it)")
     mut.add_argument("--timeout", type=float, default=1800.0, help="seconds one session may take")

@@ -68,6 +68,18 @@ class Inconclusive(AssertionError):
 INCONCLUSIVE = "INCONCLUSIVE"
 
 
+# Measures every check of an engine carries, judged by one code path (the verdict fixture's
+# before_conclude judges): one measure of the engine, whichever check it was recorded in.
+SELF_CHECK_MEASURE = "engine_self_check_alarms"
+ENGINE_WIDE_MEASURES = frozenset({SELF_CHECK_MEASURE})
+EVERY_CHECK = "(every check)"
+
+
+def measure_key(check: str, measure: str) -> str:
+    """'check :: measure' as the proof table keys it (engine-wide measures under EVERY_CHECK)."""
+    return f"{EVERY_CHECK if measure in ENGINE_WIDE_MEASURES else check} :: {measure}"
+
+
 class Verdict:
     """Collects one check's measurements and expectations."""
 

@@ -118,3 +118,31 @@ def test_no_record_is_said_as_such() -> None:
     (outcome,) = judge_mutant("toy", mutant("a", "b"), {"records": []}, {"records": []})
     assert outcome.status == "no record"
     assert json.dumps(outcome.__dict__)
+
+
+def test_merge_replaces_rerun_mutants_and_keeps_the_rest() -> None:
+    from kvconform.mutants.proof import EngineProof, MutantOutcome, merge
+
+    def outcome(mutant: str, status: str) -> MutantOutcome:
+        return MutantOutcome("e", mutant, "s::test_x", "m", status, 0, 1)
+
+    old = EngineProof(
+        "e",
+        "1",
+        [outcome("a", "killed"), outcome("b", "killed")],
+        {"s::test_x :: m": ["mutant a", "mutant b", "finding (defect)"], "s::test_y :: n": []},
+        written="2026-12-02 at commit abc",
+    )
+    new = EngineProof("e", "1", [outcome("b", "survived")], {"s::test_x :: m": [], "s::test_z :: k": []})
+    merged = merge(old, new, "def")
+    assert [(o.mutant, o.status) for o in merged.outcomes] == [("a", "killed"), ("b", "survived")]
+    assert merged.measures["s::test_x :: m"] == ["mutant a", "finding (defect)"]  # b no longer kills
+    assert set(merged.measures) == {"s::test_x :: m", "s::test_y :: n", "s::test_z :: k"}
+    assert merged.written == "2026-12-02 at commit abc" and "b re-run on" in merged.merged[0]
+
+
+def test_engine_wide_measures_are_one_row_whatever_the_check() -> None:
+    from kvconform.results import SELF_CHECK_MEASURE, measure_key
+
+    assert measure_key("s::test_x", SELF_CHECK_MEASURE) == measure_key("s::test_y", SELF_CHECK_MEASURE)
+    assert measure_key("s::test_x", "hits") == "s::test_x :: hits"

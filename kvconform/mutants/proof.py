@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from typing import Any
 
 from kvconform.checkids import base_check, matches
 from kvconform.mutants.catalog import Mutant, mutants_of, unproven_reasons
-from kvconform.results import judged_measures, load_records, write_atomic
+from kvconform.results import judged_measures, load_records, measure_key, write_atomic
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
 
@@ -50,6 +51,8 @@ class EngineProof:
     # (check, measure) -> what violated it on this engine ("mutant NAME", "finding: ...")
     measures: dict[str, list[str]] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)  # why unproven, where the catalog says
+    merged: list[str] = field(default_factory=list)  # runs merged in after the table was written
+    written: str = ""  # "DATE at commit X": when this engine's table was run
 
     def why_unproven(self, key: str) -> str:
         reason = self.reasons.get(key) or self.reasons.get("*")
@@ -159,13 +162,13 @@ def prove_engine(
     for run in runs:
         for record in run["records"]:
             for name, measure in judged_measures(record).items():
-                killers = proof.measures.setdefault(f"{base_check(record['check'])} :: {name}", [])
+                killers = proof.measures.setdefault(measure_key(base_check(record["check"]), name), [])
                 if record.get("finding") and measure.get("ok") is False:
                     label = f"finding ({record.get('finding_class', 'unclassified')})"
                     if label not in killers:
                         killers.append(label)
     for outcome in proof.outcomes:
-        key = f"{base_check(outcome.check)} :: {outcome.measure}"
+        key = measure_key(base_check(outcome.check), outcome.measure)
         if outcome.status == "killed" and f"mutant {outcome.mutant}" not in proof.measures.setdefault(
             key, []
         ):
@@ -173,12 +176,51 @@ def prove_engine(
     return proof
 
 
+def load(path: Path) -> list[EngineProof]:
+    """A proof table's JSON (write()) back as EngineProofs; [] where there is none. Tables
+    from before per-engine stamps take the stamp of their markdown's first line."""
+    if not path.exists():
+        return []
+    md = path.with_suffix(".md")
+    stamp = re.search(r"on (\S+) at commit (\w+)", md.read_text()) if md.exists() else None
+    written = f"{stamp[1]} at commit {stamp[2]}" if stamp else "unknown"
+    return [
+        EngineProof(
+            p["engine"],
+            p.get("version", "unknown"),
+            [MutantOutcome(**o) for o in p.get("outcomes", [])],
+            dict(p.get("measures", {})),
+            dict(p.get("unproven_reasons", {})),
+            list(p.get("merged", [])),
+            p.get("written") or written,
+        )
+        for p in json.loads(path.read_text())
+    ]
+
+
+def merge(old: EngineProof, new: EngineProof, commit: str) -> EngineProof:
+    """`new` (some mutants re-run) into `old` (the full run's table): the re-run mutants'
+    outcomes replace theirs, every other outcome and every judged measure is kept, and each
+    measure's killers are the union (a re-run mutant's kill only where it killed now)."""
+    rerun = {o.mutant for o in new.outcomes}
+    outcomes = [o for o in old.outcomes if o.mutant not in rerun] + new.outcomes
+    measures: dict[str, list[str]] = {}
+    for key in {**old.measures, **new.measures}:
+        kept = [k for k in old.measures.get(key, []) if k.removeprefix("mutant ") not in rerun]
+        measures[key] = list(dict.fromkeys(kept + new.measures.get(key, [])))
+    when = f"{', '.join(sorted(rerun))} re-run on {dt.date.today().isoformat()} at commit {commit}"
+    return EngineProof(
+        new.engine, new.version, outcomes, measures, new.reasons, [*old.merged, when], old.written
+    )
+
+
 def render(proofs: list[EngineProof], commit: str) -> str:
     today = dt.date.today().isoformat()
     lines = [
         "# Mutants of the real engines and the per-engine proof table",
         "",
-        f"Written by `make mutants` (`kvconform mutants`) on {today} at commit {commit}. A measure counts "
+        f"Written by `make mutants` (`kvconform mutants`) on {today} at commit {commit}; each engine's "
+        "section says when its mutants ran where that differs. A measure counts "
         "as proven on an engine only where a recorded run on that engine had it VIOLATED: a mutant of the "
         "engine's own code (clean passing in the same run), or a known finding. Mutants: each adapter's "
         "`mutants.toml`.",
@@ -198,6 +240,9 @@ def render(proofs: list[EngineProof], commit: str) -> str:
         lines += [
             f"### {proof.engine} ({proof.version}): {proven} of {len(proof.measures)} judged measures proven",
             "",
+            *([f"Run on {proof.written}."] if proof.written else []),
+            *(f"Merged in (`kvconform mutants --merge`): {m}." for m in proof.merged),
+            *([""] if proof.merged or proof.written else []),
             "| check :: measure | violated on this engine by |",
             "|---|---|",
         ]
@@ -218,6 +263,8 @@ def write(proofs: list[EngineProof], out: Path, commit: str) -> None:
             "outcomes": [asdict(o) for o in p.outcomes],
             "measures": p.measures,
             "unproven_reasons": p.reasons,
+            "merged": p.merged,
+            "written": p.written or f"{dt.date.today().isoformat()} at commit {commit}",
         }
         for p in proofs
     ]

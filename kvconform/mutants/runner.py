@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvconform import registry
 from kvconform.mutants.catalog import mutants_of
-from kvconform.mutants.proof import prove_engine, write
+from kvconform.mutants.proof import load, merge, prove_engine, write
 from kvconform.results import load_records, source_commit
 
 
@@ -32,6 +32,13 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         proofs.append(proof)
     out = Path(args.out)
-    write(proofs, out, source_commit())
+    commit = source_commit()
+    if args.merge:  # keep the table's other engines and mutants; these runs replace their own
+        by_engine = {p.engine: p for p in load(out.with_suffix(".json"))}
+        for proof in proofs:
+            old = by_engine.get(proof.engine)
+            by_engine[proof.engine] = merge(old, proof, commit) if old else proof
+        proofs = list(by_engine.values())
+    write(proofs, out, commit)
     print(f"[mutants] proof table: {out}")
     return 0 if all(o.status == "killed" for p in proofs for o in p.outcomes) else 1

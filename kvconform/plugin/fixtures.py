@@ -12,7 +12,7 @@ from kvconform.contract import Capability, EngineAdapter
 from kvconform.plugin.collection import check_id, engine_of
 from kvconform.plugin.session import KvSession, kv_session, selected_engines
 from kvconform.prompts import PromptFactory
-from kvconform.results import Verdict
+from kvconform.results import SELF_CHECK_MEASURE, Verdict
 
 verdict_key = pytest.StashKey[Verdict]()
 outcome_key = pytest.StashKey[str]()
@@ -23,7 +23,7 @@ def judge_self_checks(engine: EngineAdapter, verdict: Verdict) -> None:
     this check ran: a measure of every check on an engine that has such checks."""
     alarms = engine.self_check_alarms() or []
     verdict.equal(
-        "engine_self_check_alarms",
+        SELF_CHECK_MEASURE,
         len(alarms),
         0,
         note="; ".join(a[:300] for a in alarms[:3])
