@@ -45,6 +45,7 @@ from typing import Any
 
 from kvconform import gate
 from kvconform.errors import UsageError
+from kvconform.formatting import md_cell, value_text
 
 # gate rows that are not a change of verdict: a check failing in both on the same measures
 # (failed on a release without a manifest entry, xfailed on one with it).
@@ -385,17 +386,9 @@ def _run_pytest(step: Step, argv: list[str], out_dir: Path, env: dict[str, str])
 
 
 def _fmt(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.6g}"
     if isinstance(value, list):
         return ", ".join(_fmt(v) for v in value)
-    return str(value)
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return value_text(value, none="—")
 
 
 def render(result: BisectResult, markdown: bool = False) -> str:
@@ -409,7 +402,7 @@ def render(result: BisectResult, markdown: bool = False) -> str:
     for s in result.steps:
         spec = s.spec + (" (generated)" if s.generated else "")
         if markdown:
-            lines.append(f"| {s.version} | `{spec}` | {_md(_outcomes(s))} | {s.wall_s:.0f} s |")
+            lines.append(f"| {s.version} | `{spec}` | {md_cell(_outcomes(s))} | {s.wall_s:.0f} s |")
         else:
             lines.append(f"  {s.version:12s} {spec:28s} {_outcomes(s)}  ({s.wall_s:.0f} s)")
     lines.append("")
@@ -424,7 +417,7 @@ def render(result: BisectResult, markdown: bool = False) -> str:
         lines.append("")
         if markdown:
             lines += ["| Verdict | Check | Detail |", "|---|---|---|"]
-            lines += [f"| {r.verdict} | `{_md(r.check)}` | {_md(r.detail)} |" for r in change.rows]
+            lines += [f"| {r.verdict} | `{md_cell(r.check)}` | {md_cell(r.detail)} |" for r in change.rows]
         else:
             lines += [f"  {r.verdict:16s} {r.check}  {r.detail}" for r in change.rows]
         lines.append("")
@@ -433,7 +426,7 @@ def render(result: BisectResult, markdown: bool = False) -> str:
             lines.append("")
             if markdown:
                 lines += [f"| Measure | {change.before} | {change.after} |", "|---|---|---|"]
-                lines += [f"| {_md(n)} | {_md(_fmt(b))} | {_md(_fmt(a))} |" for n, b, a in values]
+                lines += [f"| {md_cell(n)} | {md_cell(_fmt(b))} | {md_cell(_fmt(a))} |" for n, b, a in values]
             else:
                 width = max((len(n) for n, _b, _a in values), default=0)
                 lines += [f"  {n.ljust(width)}  {_fmt(b):>14s}  ->  {_fmt(a)}" for n, b, a in values]

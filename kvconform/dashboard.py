@@ -30,6 +30,7 @@ from kvconform import inventory
 from kvconform.checkids import base_check
 from kvconform.contract.capabilities import Capability
 from kvconform.errors import KvconformError, UsageError
+from kvconform.formatting import md_cell, value_text
 
 MARKDOWN_NAME = "dashboard.md"
 HTML_NAME = "dashboard.html"
@@ -93,9 +94,9 @@ def violated(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def describe_measure(m: dict[str, Any]) -> str:
     unit = f" {m['unit']}" if m.get("unit") else ""
-    text = f"{m.get('name')} = {_fmt(m.get('value'))}{unit}"
+    text = f"{m.get('name')} = {value_text(m.get('value'), max_len=60)}{unit}"
     if m.get("op") is not None:
-        text += f" (expected {m['op']} {_fmt(m.get('bound'))}{unit})"
+        text += f" (expected {m['op']} {value_text(m.get('bound'), max_len=60)}{unit})"
     return text
 
 
@@ -306,35 +307,33 @@ def empty_line(dash: Dashboard, engine: str) -> str:
     )
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def render_markdown(dash: Dashboard) -> str:
     lines = ["# kvconform conformance dashboard", ""]
     lines.append(f"**{headline(dash.counts)}** — {dash.counts.get('checks', 0)} checks")
     lines.append("")
     for engine in dash.engines:
-        lines.append(f"- **{_md(engine)}** {_md(dash.versions.get(engine, '-'))}: {empty_line(dash, engine)}")
-    lines.append(f"- platform: {_md(dash.platform)}")
+        lines.append(
+            f"- **{md_cell(engine)}** {md_cell(dash.versions.get(engine, '-'))}: {empty_line(dash, engine)}"
+        )
+    lines.append(f"- platform: {md_cell(dash.platform)}")
     lines.append(f"- generated: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(dash.generated))}")
     lines.append("")
-    lines.append("| Promise | Check | " + " | ".join(_md(e) for e in dash.engines) + " |")
+    lines.append("| Promise | Check | " + " | ".join(md_cell(e) for e in dash.engines) + " |")
     lines.append("|---|---|" + "---|" * len(dash.engines))
     notes: list[str] = []
     empties: list[str] = []
     for check in dash.checks:
-        row = [_md(promise_of(check)), f"`{_md(check)}`"]
+        row = [md_cell(promise_of(check)), f"`{md_cell(check)}`"]
         for engine in dash.engines:
             cell = dash.cell(engine, check)
-            text = f"{_MARK[cell.state]} {_md(cell.text)}".strip()
+            text = f"{_MARK[cell.state]} {md_cell(cell.text)}".strip()
             if cell.link:
                 text += f" ([upstream]({cell.link}))"
             row.append(text)
             if cell.state == "finding" and cell.detail:
-                notes.append(f"- {_md(engine)} `{_md(check)}`: {_md(cell.detail)}")
+                notes.append(f"- {md_cell(engine)} `{md_cell(check)}`: {md_cell(cell.detail)}")
             elif cell.state in ("lacks", "gpu", "todo") and cell.detail:
-                empties.append(f"- {_md(engine)} `{_md(check)}`: {_md(cell.detail)}")
+                empties.append(f"- {md_cell(engine)} `{md_cell(check)}`: {md_cell(cell.detail)}")
         lines.append("| " + " | ".join(row) + " |")
     if notes:
         lines += ["", "Findings:", "", *notes]
@@ -429,11 +428,3 @@ def write(results_dir: str | Path, html_path: str | Path | None = None) -> tuple
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(dash), encoding="utf-8")
     return md, out
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, str) and len(value) > 60:
-        return value[:57] + "..."
-    return str(value)

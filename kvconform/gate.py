@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvconform.errors import KvconformError
+from kvconform.formatting import md_cell, value_text
 from kvconform.results import load_records
 
 FAILING = frozenset({"failed", "error", "inconclusive"})
@@ -290,7 +291,7 @@ def _compare_measures(
             continue
         label = f"{check} :: {name}"
         if bm.get("ok") is True and cm.get("ok") is False:
-            detail = f"expectation now violated: {_describe(cm)} (was {_fmt(bm.get('value'))})"
+            detail = f"expectation now violated: {_describe(cm)} (was {value_text(bm.get('value'))})"
             rows.append(Row("regression", engine, label, detail, True))
             continue
         better = cm.get("better") or bm.get("better")
@@ -307,7 +308,10 @@ def _compare_measures(
             delta = cv - bv
             worse = delta if better == "lower" else -delta
         unit_text = f" {unit}" if unit else ""
-        change = f"{_fmt(bv)} -> {_fmt(cv)}{unit_text} ({better} is better, tolerance {_fmt(tol)})"
+        change = (
+            f"{value_text(bv)} -> {value_text(cv)}{unit_text} "
+            f"({better} is better, tolerance {value_text(tol)})"
+        )
         if worse > tol:
             rows.append(Row("regression", engine, label, change, True))
         elif worse < -tol:
@@ -324,16 +328,10 @@ def _exact_worsening(bv: float, cv: float, b_bound: float | None, c_bound: float
 
 def _describe(m: dict[str, Any]) -> str:
     unit = f" {m['unit']}" if m.get("unit") else ""
-    text = f"{_fmt(m.get('value'))}{unit}"
+    text = f"{value_text(m.get('value'))}{unit}"
     if m.get("op"):
-        text += f", expected {m['op']} {_fmt(m.get('bound'))}{unit}"
+        text += f", expected {m['op']} {value_text(m.get('bound'))}{unit}"
     return text
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
 
 
 # -------------------------------------------------------------------------------------- printing
@@ -400,28 +398,26 @@ def render_plain(result: GateResult) -> str:
     return "\n".join(lines)
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def render_markdown(result: GateResult) -> str:
     head = "FAIL" if not result.passed else "PASS"
     icon = ":x:" if not result.passed else ":white_check_mark:"
     lines = [f"### kvconform gate: {icon} {head}", ""]
-    lines.append(f"- {_md(_session_line('baseline', result.baseline))}")
-    lines.append(f"- {_md(_session_line('candidate', result.candidate))}")
+    lines.append(f"- {md_cell(_session_line('baseline', result.baseline))}")
+    lines.append(f"- {md_cell(_session_line('candidate', result.candidate))}")
     warn = _platform_warning(result)
     if warn:
-        lines.append(f"- **warning:** {_md(warn)}")
+        lines.append(f"- **warning:** {md_cell(warn)}")
     lines.append("")
     if result.rows:
         lines.append("| | Verdict | Engine | Check | Detail |")
         lines.append("|---|---|---|---|---|")
         for r in result.rows:
             mark = ":x:" if r.blocking else ""
-            lines.append(f"| {mark} | {r.verdict} | {_md(r.engine)} | `{_md(r.check)}` | {_md(r.detail)} |")
+            lines.append(
+                f"| {mark} | {r.verdict} | {md_cell(r.engine)} | `{md_cell(r.check)}` | {md_cell(r.detail)} |"
+            )
         lines.append("")
-    lines.append(_md(_summary(result)))
+    lines.append(md_cell(_summary(result)))
     return "\n".join(lines)
 
 

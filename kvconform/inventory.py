@@ -26,6 +26,7 @@ from pathlib import Path
 from kvconform import registry
 from kvconform.contract.capabilities import Capability
 from kvconform.errors import UsageError
+from kvconform.formatting import md_cell
 
 FILE_NAME = "inventory.toml"
 HAS, LACKS, NEEDS_GPU, NOT_IMPLEMENTED = "has", "lacks", "needs_gpu", "not_implemented"
@@ -194,7 +195,7 @@ def markdown(engines: list[str]) -> str:
                 lines.append(f"| `{capability}` | {_MARK[NOT_IMPLEMENTED]} | (no cell) | |")
                 continue
             lines.append(
-                f"| `{capability}` | {_MARK[cell.status]} | {_esc(cell.source)} | {_esc(cell.note)} |"
+                f"| `{capability}` | {_MARK[cell.status]} | {md_cell(cell.source)} | {md_cell(cell.note)} |"
             )
         lines.append("")
     lines += ["## Checks per capability", ""]
@@ -202,10 +203,6 @@ def markdown(engines: list[str]) -> str:
         names = ", ".join(f"`{c}`" for c in checks[capability]) or "(none)"
         lines.append(f"- `{capability}`: {names}")
     return "\n".join(lines) + "\n"
-
-
-def _esc(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def write(out: Path, engines: list[str] | None = None) -> Path:

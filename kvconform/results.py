@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvconform.formatting import value_text
+
 Better = Literal["higher", "lower", "exact"] | None
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
@@ -47,7 +49,7 @@ class Measure:
     def describe(self) -> str:
         unit = f" {self.unit}" if self.unit else ""
         if self.op is None:
-            return f"{self.name} = {_fmt(self.value)}{unit}"
+            return f"{self.name} = {value_text(self.value)}{unit}"
         mark = (
             "INCONCLUSIVE"
             if self.inconclusive
@@ -57,7 +59,8 @@ class Measure:
             if self.precondition
             else "VIOLATED"
         )
-        text = f"{self.name} = {_fmt(self.value)}{unit}, expected {self.op} {_fmt(self.bound)}{unit} [{mark}]"
+        bound = value_text(self.bound)
+        text = f"{self.name} = {value_text(self.value)}{unit}, expected {self.op} {bound}{unit} [{mark}]"
         return f"{text} ({self.note})" if self.note else text
 
 
@@ -172,7 +175,7 @@ class Verdict:
             holds_all = _OPS[op](high, bound) if op in ("<=", "<") else _OPS[op](low, bound)
             breaks_all = not _OPS[op](low, bound) if op in ("<=", "<") else not _OPS[op](high, bound)
             state = True if holds_all else False if breaks_all else None
-        text = f"band [{_fmt(low)}, {_fmt(high)}]" + (f"; {note}" if note else "")
+        text = f"band [{value_text(low)}, {value_text(high)}]" + (f"; {note}" if note else "")
         self.measures.append(
             Measure(
                 name,
@@ -332,12 +335,6 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return value
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
 
 
 def source_commit() -> str:

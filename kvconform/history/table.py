@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvconform.formatting import md_cell
 from kvconform.history.corpus import Defect
 from kvconform.history.runner import Side, Verdict
 from kvconform.results import source_commit
@@ -80,10 +81,6 @@ def _releases(row: Row) -> str:
     return f", {row['bad']} → {row['fixed']}" if row["bad"] else ""
 
 
-def _md(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
 def render(table: Sequence[Row], commit: str) -> str:
     lines = [
         "# Shipped bugs: the release-history corpus",
@@ -100,16 +97,19 @@ def render(table: Sequence[Row], commit: str) -> str:
     for r in table:
         if r["status"] == "unreachable":
             continue
+        bad = md_cell(_fmt_side(r.get("bad_side")))
+        fixed = md_cell(_fmt_side(r.get("fixed_side")))
         lines.append(
-            f"| [{r['id']}]({r['upstream']}) {_md(r['title'])} | {r['engine']} | {r['bad']} → {r['fixed']} "
-            f"| `{r['check']}` :: `{r['measure']}` | **{r['status']}** | {_md(_fmt_side(r.get('bad_side')))} "
-            f"| {_md(_fmt_side(r.get('fixed_side')))} |"
+            f"| [{r['id']}]({r['upstream']}) {md_cell(r['title'])} "
+            f"| {r['engine']} | {r['bad']} → {r['fixed']} | `{r['check']}` :: `{r['measure']}` "
+            f"| **{r['status']}** | {bad} | {fixed} |"
         )
     unreachable = [r for r in table if r["status"] == "unreachable"]
     if unreachable:
         lines += ["", "## Tried and not reachable here", ""]
         lines += [
-            f"- [{r['id']}]({r['upstream']}) ({r['engine']}{_releases(r)}) {_md(r['title'])}: {_md(r['why'])}"
+            f"- [{r['id']}]({r['upstream']}) ({r['engine']}{_releases(r)}) "
+            f"{md_cell(r['title'])}: {md_cell(r['why'])}"
             for r in unreachable
         ]
     return "\n".join(lines) + "\n"
