@@ -113,6 +113,9 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
         "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
     }
+    # A reset asks vLLM to reset the connector's cache too (`reset_external=true`): the offload
+    # tier is vLLM's own and stays, a connector's store is the prefix cache of the stack.
+    reset_external: ClassVar[bool] = False
     # Attached, the suite neither binds the server's event sockets nor configures its
     # offload tier: those checks need launch mode.
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
@@ -459,12 +462,13 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         return self.openai_completion(tokens, max_tokens, return_token_ids=True)
 
     def reset_prefix_cache(self) -> None:
-        """Reset the device prefix cache only: vLLM keeps the offload tier unless asked with
-        `reset_external=true`. vLLM answers success=false while blocks are still held
+        """Reset the device prefix cache (and, with reset_external, the KV connector's cache:
+        vLLM keeps it unless asked). vLLM answers success=false while blocks are still held
         (running requests, in-flight transfers); retry until it succeeds."""
         deadline = time.monotonic() + RESET_RETRY_S
+        path = "/reset_prefix_cache?reset_external=true" if self.reset_external else "/reset_prefix_cache"
         while True:
-            resp = self._request("POST", "/reset_prefix_cache")
+            resp = self._request("POST", path)
             try:
                 answer = resp.json()
             except ValueError:  # older versions answer with an empty 200

@@ -45,6 +45,7 @@ class VllmLmcacheAdapter(VllmAdapter):
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
             C.ANSWERS_FROM_KV,
+            C.RESET_PREFIX_CACHE,  # vLLM's blocks and, through the connector, the LMCache server's
             C.RESTART,
             C.PERSISTENT_PREFIX,  # a restarted vLLM is served by the LMCache server
             C.INSTANCE_CHURN,
@@ -52,6 +53,10 @@ class VllmLmcacheAdapter(VllmAdapter):
         }
     )
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
+    # /reset_prefix_cache?reset_external=true -> Scheduler.reset_connector_cache ->
+    # LMCacheMPConnector.reset_cache: CLEAR (force=False) to every LMCache server, which keeps
+    # only objects locked by in-flight reads or writes (vllm_multi_process_adapter.py reset_cache).
+    reset_external = True
     # Where the connector loads KV up to the prompt's end, vLLM recomputes only its last token
     # (vllm/v1/core/sched/scheduler.py, after a finished external load: "a full prompt hit
     # re-computes that token", num_computed_tokens = num_tokens - 1).
@@ -66,8 +71,15 @@ class VllmLmcacheAdapter(VllmAdapter):
 
     def preflight(self) -> None:
         super().preflight()
-        for spec in self.stack_env_specs:
-            envs.find(spec)
+        if not self.attached:
+            envs.find(self.server_env_spec())
+
+    def server_env_spec(self) -> str:
+        """The LMCache server's environment: the release vLLM's connector runs (lmcache-V where
+        that spec exists: a history or bisect run of another release), else `lmcache`."""
+        release = self.env().version.rpartition("+lmcache")[2]
+        name = f"lmcache-{release}"
+        return name if release and name in envs.known_specs() else self.stack_env_specs[0]
 
     # ---- the LMCache server ----------------------------------------------------------------
     def _ensure_lmcache(self) -> None:
@@ -77,7 +89,7 @@ class VllmLmcacheAdapter(VllmAdapter):
             self.lmcache_reports.append(self.lmcache.stop())
         self.lmcache_rpc_port, http_port = free_port(), free_port()
         self.lmcache_http = f"http://127.0.0.1:{http_port}"
-        server = envs.find("lmcache").bin("lmcache")
+        server = envs.find(self.server_env_spec()).bin("lmcache")
         argv = [
             str(server),
             "server",
