@@ -127,9 +127,15 @@ def select_versions(spec_text: str, available: Sequence[str]) -> list[str]:
 # ------------------------------------------------------------------------------------ specs
 
 
+def release_package(spec_data: dict[str, Any], engine: str) -> str:
+    """The package whose version names the engine's releases: the spec's `release_package`
+    (vllm-lmcache's releases are LMCache's), else the engine's name."""
+    return str(spec_data.get("release_package", engine))
+
+
 def engine_pins(spec_data: dict[str, Any], engine: str) -> list[tuple[str, str]]:
     """(package, version) pins of the engine's own packages in a spec's pip steps."""
-    key = engine.replace("_", "-").lower()
+    key = release_package(spec_data, engine).replace("_", "-").lower()
     out = []
     for step in spec_data.get("steps", []):
         for req in step.get("pip", []):
@@ -139,9 +145,10 @@ def engine_pins(spec_data: dict[str, Any], engine: str) -> list[tuple[str, str]]
     return out
 
 
-def substitute_version(spec_text: str, engine: str, old: str, new: str) -> str:
-    """The default spec's text for release `new`: engine pins and dist_info versions moved."""
-    key = re.escape(engine.replace("_", "-"))
+def substitute_version(spec_text: str, engine: str, old: str, new: str, package: str = "") -> str:
+    """The default spec's text for release `new`: the pins of the engine's release package
+    (default: the engine's name) and dist_info versions moved."""
+    key = re.escape((package or engine).replace("_", "-"))
     pin = re.compile(
         rf'(["\'][A-Za-z0-9_.\-]*{key}[A-Za-z0-9_.\-]*(?:\[[^\]]*\])?==){re.escape(old)}(["\'])', re.I
     )
@@ -179,7 +186,9 @@ def resolve_spec(engine: str, version: str, default_version: str | None) -> tupl
         raise UsageError(f"no spec {name} and the {engine} spec pins no version to substitute")
     base = envs.load_spec(engine)
     folder.mkdir(parents=True, exist_ok=True)
-    text = substitute_version(base.path.read_text(), engine, default_version, version)
+    text = substitute_version(
+        base.path.read_text(), engine, default_version, version, release_package(base.data, engine)
+    )
     if not target.exists() or target.read_text() != text:
         target.write_text(text)
     envs.add_spec_dir(folder)
