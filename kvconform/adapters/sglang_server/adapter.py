@@ -175,8 +175,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         self._launches = 0
         self.profile = self.launch_profile()
         self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
-        self._alarm_log: Path | None = None  # the server log self_check_alarms() reads, and how far
-        self._alarm_offset = 0
+        self._alarm_offset = 0  # how far self_check_alarms() has read the server log (appended per launch)
 
     def preflight(self) -> None:
         super().preflight()
@@ -542,10 +541,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         if self.server is None:
             return []
         time.sleep(SELF_CHECK_SETTLE_S)
-        path = self.server.process.log_path
-        with open(path, "rb") as log:
-            if self._alarm_log != path:  # a new launch: its log is read from the start
-                self._alarm_log, self._alarm_offset = path, 0
+        with open(self.server.process.log_path, "rb") as log:
             log.seek(self._alarm_offset)
             text = log.read().decode("utf-8", "replace")
             self._alarm_offset = log.tell()
