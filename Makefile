@@ -42,7 +42,8 @@ lint: venv
 	$(BIN)/ruff check .
 
 selftest: venv
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/engines --results-dir $(RESULTS)/selftest
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/engines --results-dir $(RESULTS)/selftest \
+	  --durations=25
 
 # Engine environments first: self-tests that launch a real engine (e.g. tests/test_omlx_launch.py)
 # then run instead of skipping.
@@ -52,7 +53,7 @@ envs: venv
 # The report and the dashboard are written whatever the checks' outcome; the exit code is pytest's.
 engines: envs
 	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
-	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs; code=$$?; \
+	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs --durations=25; code=$$?; \
 	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
 	  $(KILLS) || echo "[engines] report not generated"; \
 	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; \
