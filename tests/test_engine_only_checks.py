@@ -38,8 +38,14 @@ PROVES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("prefix_reuse::test_radix_cache_state_machine",),
     ),
     "testdouble_radix_index": (
-        ("kvconform/suites/prefix_reuse/test_radix_index.py",),
-        ("prefix_reuse::test_radix_index_matches_model",),
+        (
+            "kvconform/suites/prefix_reuse/test_radix_index.py",
+            "kvconform/suites/memory_reclaim/test_index_churn.py",
+        ),
+        (
+            "prefix_reuse::test_radix_index_matches_model",
+            "memory_reclaim::test_radix_index_memory_flat_under_eviction_churn",
+        ),
     ),
     "testdouble_replay": (
         ("kvconform/suites/prefix_reuse/test_replay.py", "kvconform/suites/transfer/test_handoff.py"),

@@ -21,11 +21,14 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import psutil
+
 from kvconform.contract import Capability
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
 _CHECK = ("prefix_reuse::test_radix_index_matches_model",)
+_CHURN = ("memory_reclaim::test_radix_index_memory_flat_under_eviction_churn",)
 Key = tuple[int, int]  # (worker, dp_rank)
 
 FAULTS: dict[str, Fault] = {
@@ -46,6 +49,12 @@ FAULTS: dict[str, Fault] = {
         _CHECK,
         "AllBlocksCleared handled as a reset of the whole router index",
         ("index_disagreements",),
+    ),
+    "evicted_branch_kept_alive": Fault(
+        "an evicted branch leaves the tree but stays referenced, so its memory never comes back",
+        _CHURN,
+        "Dynamo 1.5.1 RadixTree: evicted branches kept alive by parent links (ai-dynamo/dynamo#14878)",
+        ("index_rss_slope_per_evicted_block",),
     ),
     "dump_children_first": Fault(
         "tree_dump emits each worker's blocks deepest first, so a replay meets children before their parents",
@@ -78,6 +87,7 @@ class PrefixIndex:
         self.fault = fault
         self.root = _Node(0, None)
         self.tables: dict[Key, dict[int, _Node]] = {}
+        self.kept_alive: list[_Node] = []  # evicted_branch_kept_alive
 
     def apply(self, event: dict[str, Any]) -> None:
         key = (int(event["worker"]), int(event.get("dp_rank", 0)))
@@ -114,6 +124,8 @@ class PrefixIndex:
                     self._drop_subtree(node)
                     continue
                 node.holders.pop(key, None)
+                if self.fault == "evicted_branch_kept_alive":
+                    self.kept_alive.append(node)
                 self._prune(node)
         elif kind == "cleared":
             keys = list(self.tables) if self.fault == "clear_clears_all_workers" else [key]
@@ -221,6 +233,8 @@ class RadixIndexDouble(DoubleAdapter):
             return {"scores": self.tree(tree).match(args["block_hashes"])}
         if op == "tree_dump":
             return {"events": self.tree(tree).dump()}
+        if op == "process_rss":
+            return {"rss_bytes": psutil.Process().memory_info().rss}
         if op == "block_hashes":
             size = int(args["block_size"])
             tokens = [int(t) for t in args["token_ids"]]

@@ -14,6 +14,7 @@ Ops (keyword arguments -> JSON result):
   tree_dump(tree="default")                     the tree as our plain events (+ Dynamo's raw JSON)
   tree_remove_worker(worker_id, tree="default")
   tree_clear_worker(worker_id, tree="default")
+  process_rss()                                 this process's resident bytes (/proc/self/statm)
   block_hashes(token_ids, block_size, lora_name=None, cache_namespace=None)
   replay(trace, engine_args=None, mode="agg", ...)   offline mocker replay
 
@@ -424,6 +425,13 @@ def replay(
     return out
 
 
+def process_rss() -> dict[str, Any]:
+    """Resident bytes of this process, read by us from the kernel (the index's memory)."""
+    with open("/proc/self/statm") as statm:
+        resident_pages = int(statm.read().split()[1])
+    return {"rss_bytes": resident_pages * os.sysconf("SC_PAGE_SIZE")}
+
+
 HANDLERS = {
     "tree_new": tree_new,
     "tree_apply": tree_apply,
@@ -431,6 +439,7 @@ HANDLERS = {
     "tree_dump": tree_dump,
     "tree_remove_worker": tree_remove_worker,
     "tree_clear_worker": tree_clear_worker,
+    "process_rss": process_rss,
     "block_hashes": block_hashes,
     "replay": replay,
 }
