@@ -14,7 +14,7 @@ class _Engine:
     def __init__(self, alarms: list[str]) -> None:
         self.alarms = alarms
 
-    def self_check_alarms(self) -> list[str]:
+    def self_check_alarms(self, *, settle: bool = True) -> list[str]:
         out, self.alarms = self.alarms, []
         return out
 

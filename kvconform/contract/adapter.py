@@ -349,13 +349,13 @@ class EngineAdapter(ABC):
             list(choice.get("token_ids") or []),
         )
 
-    def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
-        """Start a streaming completion (256 tokens asked for) and drop the connection after
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
+        """Start a streaming completion (`max_tokens` asked for) and drop the connection after
         `after_chunks` token chunks. Returns the token chunks received before the drop, 0 when
         the stream finished first (then no request was aborted)."""
         resp = self.http.post(
             self.url("/v1/completions"),
-            json=self.completion_body(tokens, 256, stream=True),
+            json=self.completion_body(tokens, max_tokens, stream=True),
             stream=True,
             timeout=self.ctx.request_timeout_s,
         )
@@ -367,6 +367,11 @@ class EngineAdapter(ABC):
             return token_chunks_before_drop(resp.iter_lines(), after_chunks)
         finally:
             resp.close()
+
+    def requests_in_flight(self) -> int | None:
+        """Requests the engine runs or queues now, by its live count (not a gauge refreshed
+        later); None where the engine has no live count (nothing is judged)."""
+        return None
 
     def healthy(self) -> bool:
         return wait_http_ok(self.http, self.url(self.health_path), timeout=5.0)
@@ -563,6 +568,11 @@ class EngineAdapter(ABC):
         """Release path of the warm-up cycles (a cheaper one where the path is slow)."""
         return path
 
+    def churn_warmup_cycles(self, path: str) -> int:
+        """Cycles run before the baseline, so allocator pools and caches settle (RSS-like
+        measures); fewer where every measure of the path is exact."""
+        return 2
+
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
         """One instance lifecycle: create, load with `tokens`, release through `path`."""
         raise NotImplementedError
@@ -624,10 +634,11 @@ class EngineAdapter(ABC):
     def log_tail(self, lines: int = 40) -> str:
         return ""
 
-    def self_check_alarms(self) -> list[str] | None:
+    def self_check_alarms(self, *, settle: bool = True) -> list[str] | None:
         """The alarms the engine's own built-in invariant checks raised since the last call (its
         lines), each check judging that none fired during it; None where the engine has no
-        such check wired (nothing is judged)."""
+        such check wired (nothing is judged). settle=False reads without waiting for the
+        engine's next audit (a check's start only drains what came before it)."""
         return None
 
     def describe_logs(self) -> dict[str, str]:

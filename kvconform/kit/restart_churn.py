@@ -42,6 +42,12 @@ class RestartChurn(_Base):
     def churn_warmup_path(self, path: str) -> str:
         return path
 
+    def churn_warmup_cycles(self, path: str) -> int:
+        # Every restart measure is exact (leftovers counted at teardown, the pool's own block
+        # count): nothing to settle. One cycle still runs, so the baseline, like every cycle
+        # after it, is read with the server stopped.
+        return 1
+
     def restart_leftovers(self) -> dict[str, int]:
         """What the stopped servers left (and the teardown removed), cumulative over cycles."""
         if not hasattr(self, "_restart_leftovers"):

@@ -61,7 +61,7 @@ class Fixtures:
         v = Verdict(check_id(request.node), name or "-")
         request.node.stash[verdict_key] = v
         engine = kv_session(request.config).adapter(name) if name else None
-        if engine is not None and engine.self_check_alarms() is not None:  # drains earlier alarms
+        if engine is not None and engine.self_check_alarms(settle=False) is not None:  # drains earlier ones
             v.before_conclude.append(lambda verdict: judge_self_checks(engine, verdict))
         yield v
         if not v.concluded and request.node.stash.get(outcome_key, "passed") == "passed":

@@ -176,6 +176,8 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         self.profile = self.launch_profile()
         self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
         self._alarm_offset = 0  # how far self_check_alarms() has read the server log (appended per launch)
+        # A release whose CPU build runs at one page size only says so in its spec (`page_size`).
+        self.default_block_size = int(self.spec_data().get("page_size", SERVER_PAGE_SIZE))
 
     def preflight(self) -> None:
         super().preflight()
@@ -411,8 +413,16 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     def kv_pool_bytes(self) -> int:
         """The pool the suite asked for (--max-total-tokens) in bytes; else the server's own."""
         asked = self.pool_args()
-        tokens = int(asked[1]) if asked else int_field(self.pool_load(), "max_total_num_tokens", "/v1/loads")
+        tokens = int(asked[1]) if asked else self.pool_counts("max_total_num_tokens")[0]
         return tokens * self.model.kv_bytes_per_token()
+
+    def pool_counts(self, *keys: str) -> list[int]:
+        """Integers of one /v1/loads answer; a missing or non-integer field is the engine's error."""
+        load = self.pool_load()
+        try:
+            return [int_field(load, key, "/v1/loads") for key in keys]
+        except ValueError as exc:
+            raise EngineError(self.name, str(exc), self.log_tail()) from None
 
     def pool_load(self) -> dict[str, Any]:
         """GET /v1/loads: the scheduler's pool counts, computed when asked (not the lazy gauge)."""
@@ -423,16 +433,16 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
             raise EngineError(self.name, f"/v1/loads has no loads: {loads!r}", self.log_tail())
         return dict(loads[0])
 
+    def requests_in_flight(self) -> int | None:
+        """Running plus waiting requests by the scheduler's live count (/v1/loads)."""
+        return sum(self.pool_counts("num_running_reqs", "num_waiting_reqs"))
+
     def kv_tokens_held_bytes(self) -> int:
         """The tokens requests hold in SGLang's pool now, by its own count (/v1/loads
         num_used_tokens = total - available - evictable, pool_stats_observer._get_token_info),
         in bytes: 0 at idle, whatever the radix cache keeps (that is evictable)."""
         time.sleep(SELF_CHECK_SETTLE_S)  # the finishing step frees the request's KV just after the response
-        try:
-            used = int_field(self.pool_load(), "num_used_tokens", "/v1/loads")
-        except ValueError as exc:
-            raise EngineError(self.name, str(exc), self.log_tail()) from None
-        return used * self.model.kv_bytes_per_token()
+        return self.pool_counts("num_used_tokens")[0] * self.model.kv_bytes_per_token()
 
     # ---- requests -----------------------------------------------------------------------
     def generate_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -467,11 +477,11 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         output = data.get("output_ids") or []
         return ServedPrompt(prompt_tokens, cached, [int(t) for t in output], source)
 
-    def stream_and_disconnect(self, tokens: list[int], after_chunks: int) -> int:
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
         try:
             resp = self.http.post(
                 self.url("/generate"),
-                json=self.generate_body(tokens, 256, stream=True),
+                json=self.generate_body(tokens, max_tokens, stream=True),
                 stream=True,
                 timeout=self.ctx.request_timeout_s,
             )
@@ -533,14 +543,15 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server is not None else ""
 
-    def self_check_alarms(self) -> list[str] | None:
+    def self_check_alarms(self, *, settle: bool = True) -> list[str] | None:
         """SGLang's idle audit's alarm lines in the server log since the last call ([] while no
         server runs; None attached: the suite does not read that server's log)."""
         if self.attached:
             return None
         if self.server is None:
             return []
-        time.sleep(SELF_CHECK_SETTLE_S)
+        if settle:
+            time.sleep(SELF_CHECK_SETTLE_S)
         with open(self.server.process.log_path, "rb") as log:
             log.seek(self._alarm_offset)
             text = log.read().decode("utf-8", "replace")

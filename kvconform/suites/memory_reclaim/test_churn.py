@@ -32,7 +32,6 @@ from kvconform.suites.memory_reclaim.bounds import MAX_CYCLE_FACTOR, bounds_for,
 
 pytestmark = pytest.mark.requires(C.INSTANCE_CHURN)
 
-WARMUP_CYCLES = 2
 RELEASE_PATHS = ("unregister", "reaper", "close", "restart", "destroy")
 Probe = Callable[[], dict[str, MemoryMeasure]]
 
@@ -79,7 +78,7 @@ def test_churn_returns_to_baseline(
     bounds = bounds_for(request.config, engine)
     block = engine.block_size()
     system = prompts.fresh(4 * block)
-    for warmup in range(WARMUP_CYCLES):  # allocator pools and caches settle first
+    for warmup in range(engine.churn_warmup_cycles(path)):  # allocator pools and caches settle first
         engine.churn_cycle(engine.churn_warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
     baseline_measures = engine.reclaim_probe()
     baseline = settled(engine.reclaim_probe, None, window_s=1.0)
