@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     mut.add_argument("--work", default="results/mutants", help="where each session's results go")
     mut.add_argument("--out", default="docs/mutants.md", help="the proof table (and .json beside it)")
+    mut.add_argument(
+        "--history",
+        default="docs/history.json",
+        help="the release-history verdicts (`kvconform history`): a caught bug proves its measure",
+    )
     mut.add_argument("--timeout", type=float, default=1800.0, help="seconds one session may take")
     from kvconform import bisect
     from kvconform.history import runner as history

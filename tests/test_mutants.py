@@ -146,3 +146,19 @@ def test_engine_wide_measures_are_one_row_whatever_the_check() -> None:
 
     assert measure_key("s::test_x", SELF_CHECK_MEASURE) == measure_key("s::test_y", SELF_CHECK_MEASURE)
     assert measure_key("s::test_x", "hits") == "s::test_x :: hits"
+
+
+def test_a_caught_shipped_bug_proves_its_measure_on_its_engine_only(tmp_path: Path) -> None:
+    from kvconform.mutants.proof import EngineProof, credit_releases
+
+    def row(bug: str, engine: str, status: str) -> dict:
+        return {"id": bug, "engine": engine, "bad": "1.0", "fixed": "1.1", "status": status,
+                "check": "s::test_x[p-1]", "measure": "m"}  # fmt: skip
+
+    history = tmp_path / "history.json"
+    rows = [row("caught-1", "e", "caught"), row("missed-1", "e", "missed"), row("other-1", "f", "caught")]
+    history.write_text(json.dumps({"rows": rows}))
+    proof = EngineProof("e", "1", [], {"s::test_x :: m": []})
+    credit_releases([proof], history)
+    credit_releases([proof], history)  # idempotent: the table is rewritten on every merge
+    assert proof.measures == {"s::test_x :: m": ["release 1.0 (caught-1, fixed in 1.1)"]}

@@ -176,6 +176,23 @@ def prove_engine(
     return proof
 
 
+def credit_releases(proofs: list[EngineProof], history: Path) -> None:
+    """Each caught shipped bug (docs/history.json of `kvconform history`) proves its measure on
+    its engine: its bad release had it VIOLATED, its fixed release held it."""
+    if not history.exists():
+        return
+    by_engine = {p.engine: p for p in proofs}
+    for row in json.loads(history.read_text()).get("rows", []):
+        proof = by_engine.get(row.get("engine", ""))
+        if proof is None or row.get("status") != "caught":
+            continue
+        key = measure_key(base_check(row["check"]), row["measure"])
+        label = f"release {row['bad']} ({row['id']}, fixed in {row['fixed']})"
+        killers = proof.measures.setdefault(key, [])
+        if label not in killers:
+            killers.append(label)
+
+
 def load(path: Path) -> list[EngineProof]:
     """A proof table's JSON (write()) back as EngineProofs; [] where there is none. Tables
     from before per-engine stamps take the stamp of their markdown's first line."""
@@ -222,8 +239,9 @@ def render(proofs: list[EngineProof], commit: str) -> str:
         f"Written by `make mutants` (`kvconform mutants`) on {today} at commit {commit}; each engine's "
         "section says when its mutants ran where that differs. A measure counts "
         "as proven on an engine only where a recorded run on that engine had it VIOLATED: a mutant of the "
-        "engine's own code (clean passing in the same run), or a known finding. Mutants: each adapter's "
-        "`mutants.toml`.",
+        "engine's own code (clean passing in the same run), a release that shipped the bug (docs/history.md: "
+        "its bad release violated the measure, its fixed release held it), or a known finding. Mutants: each "
+        "adapter's `mutants.toml`.",
         "",
         "## Mutants",
         "",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvconform import registry
 from kvconform.mutants.catalog import mutants_of
-from kvconform.mutants.proof import load, merge, prove_engine, write
+from kvconform.mutants.proof import credit_releases, load, merge, prove_engine, write
 from kvconform.results import load_records, source_commit
 
 
@@ -39,6 +39,7 @@ def run_cli(args: argparse.Namespace) -> int:
             old = by_engine.get(proof.engine)
             by_engine[proof.engine] = merge(old, proof, commit) if old else proof
         proofs = list(by_engine.values())
+    credit_releases(proofs, Path(args.history))
     write(proofs, out, commit)
     print(f"[mutants] proof table: {out}")
     return 0 if all(o.status == "killed" for p in proofs for o in p.outcomes) else 1
