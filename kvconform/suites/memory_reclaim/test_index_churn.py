@@ -5,8 +5,9 @@ evicts. The workload is a worker's steady state: a shared prefix stays stored wh
 chains are stored under it and evicted again, cycle after cycle. After each cycle the index
 holds what it held before, so the index process's resident memory must not grow with the
 cycles (Dynamo 1.5.1: evicted branches kept alive by parent links, ~100 B per evicted block,
-fixed in 1.6.0 by ai-dynamo/dynamo#14878). Matches of the shared prefix are judged too: an
-index that frees too much fails there instead.
+fixed in 1.6.0 by ai-dynamo/dynamo#14878). The shared prefix must still match afterwards (a
+precondition: an index that dropped it would have nothing left to leak; wrong matches are
+prefix_reuse::test_radix_index_matches_model's to judge).
 
 RSS is read by the suite (the kernel's count for the index's process), never the engine's
 report. Allocator noise does not grow steadily with the cycles; the Theil-Sen slope after a
@@ -71,7 +72,9 @@ def test_radix_index_memory_flat_under_eviction_churn(engine: EngineAdapter, ver
     trend = theil_sen(rss[WARMUP_BATCHES:])
     verdict.record("cycles", CYCLES, note=f"{SUFFIX_BLOCKS} blocks stored and evicted under a shared prefix")
     verdict.require("events_rejected", rejected, "<=", 0, note="every store and eviction must be applied")
-    verdict.equal("shared_prefix_blocks_matched", matched, SHARED_BLOCKS, "blocks")
+    verdict.require(
+        "shared_prefix_blocks_matched", matched, "==", SHARED_BLOCKS, note="the prefix stays stored"
+    )
     verdict.record("index_rss_growth", rss[-1] - rss[0], "bytes")
     verdict.add_series("index process RSS per batch", [(float(i), v) for i, v in enumerate(rss)])
     verdict.expect(
