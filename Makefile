@@ -11,13 +11,14 @@ REAL_ENGINES ?= vllm vllm-lmcache lmcache sglang sglang-server dynamo omlx
 # shared session has not been rerun yet.
 SEPARATE_ENGINES ?= lmcache-redis
 RESULTS ?= results
-# The self-tests' mutation matrix, when they have written one: report pages list each check's kills.
+# The mutation matrix (the self-tests' if they wrote one, else the committed one): report pages
+# list each check's kills.
 # Expanded where used (after selftest has run), not here.
 # The per-engine proof table of `make mutants`: real engines' pages list what violated their measures.
-KILLS = $(if $(wildcard $(RESULTS)/selftest/mutation-matrix.json),--mutation-matrix $(RESULTS)/selftest/mutation-matrix.json) \
+KILLS = --mutation-matrix $(firstword $(wildcard $(RESULTS)/selftest/mutation-matrix.json) docs/mutation-matrix.json) \
   $(if $(wildcard docs/mutants.json),--proof docs/mutants.json)
 
-.PHONY: main test lint envs selftest engines mutants mutants-smoke history venv clean
+.PHONY: main test lint envs selftest engines matrix mutants mutants-smoke history venv clean
 
 venv: $(VENV)/.ready
 
@@ -64,6 +65,14 @@ engines: envs
 
 clean:
 	rm -rf $(VENV) $(RESULTS)
+
+# Long run, not part of CI: the mutation matrix with every fault of the reference engine and of
+# the test doubles run (docs/mutation-matrix.md + .json, dated, with the commit). The self-tests
+# read these runs as evidence and remake only the smoke faults and those whose checks, engine or
+# declaration changed since (tests/mutation_runs.py).
+matrix: venv
+	KVCONFORM_MATRIX=full $(BIN)/python -m pytest tests/test_mutation_matrix.py tests/test_engine_only_checks.py \
+	  -p no:cacheprovider --results-dir $(RESULTS)/matrix
 
 # Long run, not part of CI: every engine's full run, then each engine's mutants (small patches of
 # its own code, each adapter's mutants.toml) against the same checks as the clean engine, and the

@@ -81,7 +81,7 @@ FAULTS = faults_by_double()
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str | None], dict[str, dict]]:
-    return doubles_matrix(tmp_path_factory.mktemp("doubles"), PROVES)
+    return doubles_matrix(tmp_path_factory, PROVES)
 
 
 @pytest.mark.parametrize("double", sorted(DOUBLES))

@@ -20,13 +20,17 @@ for any other unkilled measure and for a gap that is no longer one, and the stri
 test_every_measure_is_killed passes only at 100 %.
 
 The matrix (measure x fault, and check x fault) is written to <--results-dir>/mutation-matrix.md
-and mutation-matrix.json. Faults that need a GPU (Fault.needs) are left out of this CPU matrix,
-with the reason in the files.
+and mutation-matrix.json. The fault runs are evidence kept in docs/mutation-matrix.json, remade
+by `make matrix`; a self-test run remakes the smoke faults and those whose fingerprint changed,
+and reads the others (tests/mutation_runs.py). Faults that need a GPU (Fault.needs) are left
+out of this CPU matrix, with the reason in the files.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -38,11 +42,18 @@ from kvconform.plugin.session import results_dir
 from kvconform.results import violated_measures as violated
 from tests.doubles import faults_by_double
 from tests.mutation_runs import (
+    EVIDENCE,
     EXCLUDED_ON_CPU,
+    FULL,
+    double_fingerprint,
+    doubles_live,
     doubles_matrix,
     expected,
     preconditions,
+    reference_fingerprint,
     reference_matrix,
+    slim,
+    suite_files,
 )
 from tests.test_engine_only_checks import PROVES
 
@@ -78,16 +89,19 @@ KNOWN_GAPS: dict[tuple[str, str], str] = {}
 def matrix(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> tuple[dict[str, dict], dict[str, dict[str, dict]]]:
-    clean, faulty = reference_matrix(tmp_path_factory.mktemp("matrix"))
-    doubles = doubles_matrix(tmp_path_factory.mktemp("doubles"), PROVES)
-    write_matrix(clean, faulty, doubles, results_dir(request.config))
+    clean, faulty, live = reference_matrix(tmp_path_factory)
+    doubles = doubles_matrix(tmp_path_factory, PROVES)
+    live |= doubles_live()
+    write_matrix(clean, faulty, doubles, results_dir(request.config), live)
+    if FULL:  # `make matrix`: the evidence later self-test runs read
+        write_matrix(clean, faulty, doubles, EVIDENCE.parent, live)
     return clean, faulty
 
 
 @pytest.fixture(scope="module")
 def coverage(matrix, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], list[str]]:
     clean, faulty = matrix
-    return measure_coverage(clean, faulty, doubles_matrix(tmp_path_factory.mktemp("doubles"), PROVES))
+    return measure_coverage(clean, faulty, doubles_matrix(tmp_path_factory, PROVES))
 
 
 def measure_coverage(
@@ -123,12 +137,18 @@ def write_matrix(
     faulty: dict[str, dict[str, dict]],
     doubles: dict[tuple[str, str | None], dict[str, dict]],
     out: Path,
+    live: set[str],
 ) -> str:
     coverage = measure_coverage(clean, faulty, doubles)
     columns = list(faulty) + [f"{d}/{f}" for (d, f) in doubles if f is not None]
     runs = {**faulty, **{f"{d}/{f}": r for (d, f), r in doubles.items() if f is not None}}
     killed = sum(1 for faults in coverage.values() if faults)
+    made = provenance()
     lines = [
+        f"Made {made['date']} at commit {made['commit']}. Fault runs made live: {len(live)} of "
+        f"{len(runs)}; the others are the evidence committed in docs/mutation-matrix.json "
+        "(`make matrix` remakes all of them; a self-test run remakes those whose fingerprint changed).",
+        "",
         f"Measures killed: {killed} of {len(coverage)} ({100 * killed / max(len(coverage), 1):.1f} %)",
         "",
         "V = the fault violated the measure, . = measured and held, blank = not run.",
@@ -195,11 +215,45 @@ def write_matrix(
                     for n, f in faults.items()
                 },
                 "excluded_on_cpu": EXCLUDED_ON_CPU,
+                "made": made,
+                "live": sorted(live),
+                "evidence": evidence(faulty, doubles),
             },
             indent=1,
         )
     )
     return text
+
+
+def provenance() -> dict[str, str]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = "+uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "commit": git("rev-parse", "--short", "HEAD") + dirty,
+    }
+
+
+def evidence(
+    faulty: dict[str, dict[str, dict]], doubles: dict[tuple[str, str | None], dict[str, dict]]
+) -> dict[str, dict]:
+    """Each fault run's records (slimmed) with the fingerprint of what it ran."""
+    out = {
+        f"reference/{name}": {
+            "fingerprint": reference_fingerprint(name),
+            "records": {c: slim(r) for c, r in records.items()},
+        }
+        for name, records in faulty.items()
+    }
+    for (double, fault), records in doubles.items():
+        if fault is not None:
+            out[f"{double}/{fault}"] = {
+                "fingerprint": double_fingerprint(double, fault, PROVES[double][0]),
+                "records": {c: slim(r) for c, r in records.items()},
+            }
+    return out
 
 
 def test_clean_engine_passes_every_check(matrix) -> None:
@@ -268,3 +322,11 @@ def test_every_measure_is_killed(coverage) -> None:
     unkilled = sorted(key for key, faults in coverage.items() if not faults)
     killed = len(coverage) - len(unkilled)
     assert not unkilled, f"{killed} of {len(coverage)} measures killed; not killed: {unkilled}"
+
+
+def test_every_fault_fingerprints_the_suite_modules_of_its_checks() -> None:
+    """A fault's committed run is reused only while its fingerprint holds: it must cover the
+    module of every check the fault must fail, or an edited check would keep stale evidence."""
+    for name, fault in FAULTS.items():
+        for pattern in fault.killed_by:
+            assert suite_files([pattern]), f"fault {name}: no suite module defines {pattern!r}"
