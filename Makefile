@@ -4,11 +4,13 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-REAL_ENGINES ?= vllm vllm-lmcache lmcache sglang sglang-server dynamo omlx
-# Engines run in a session of their own. lmcache-redis was moved out when two LMCache stacks in
-# one session seemed to disturb each other; both symptoms had other causes since found (LMCache's
-# 1 Hz eviction loop; a client signalled before its finalizers unlinked its segments), but the
-# shared session has not been rerun yet.
+# In this order: the engines run in two xdist lanes (one group per engine, given to the worker
+# that frees first), so no two engines of one family (vLLM, LMCache) overlap on a 2-core runner.
+REAL_ENGINES ?= vllm lmcache sglang-server vllm-lmcache sglang dynamo omlx
+# `make mutants` judges these in a session of their own. lmcache-redis was moved out when two
+# LMCache stacks in one session seemed to disturb each other; both symptoms had other causes
+# since found (LMCache's 1 Hz eviction loop; a client signalled before its finalizers unlinked
+# its segments). `make engines` runs it as the last xdist lane group.
 SEPARATE_ENGINES ?= lmcache-redis
 RESULTS ?= results
 # The mutation matrix (the self-tests' if they wrote one, else the committed one): report pages
@@ -53,14 +55,11 @@ envs: venv
 
 # The report and the dashboard are written whatever the checks' outcome; the exit code is pytest's.
 engines: envs
-	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES)) \
+	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES) $(SEPARATE_ENGINES)) -n 2 --dist loadgroup \
 	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs --durations=25; code=$$?; \
 	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
 	  $(KILLS) || echo "[engines] report not generated"; \
-	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; \
-	for e in $(SEPARATE_ENGINES); do \
-	  $(BIN)/python -m pytest kvconform/suites --engine $$e --results-dir $(RESULTS)/engines-$$e -rs || code=1; \
-	done; exit $$code
+	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; exit $$code
 	$(BIN)/python -m pytest tests/engines --results-dir $(RESULTS)/attach
 
 clean:

@@ -26,6 +26,9 @@ class EngineTime:
     def minus(self, earlier: EngineTime) -> EngineTime:
         return EngineTime(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
+    def plus(self, other: EngineTime) -> EngineTime:
+        return EngineTime(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
@@ -104,3 +107,16 @@ def since(earlier: dict[str, EngineTime]) -> dict[str, dict[str, float]]:
         if delta.starts or delta.stops or delta.calls:
             out[name] = delta.as_dict()
     return out
+
+
+def summed(ledgers: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per-check ledgers added up per engine: the session's ledger under xdist, where the
+    controller starts no engine (session teardowns in the workers are not in any check's)."""
+    total: dict[str, EngineTime] = {}
+    for ledger in ledgers:
+        for engine, entry in ledger.items():
+            known = {f.name for f in fields(EngineTime)}
+            total[engine] = total.get(engine, EngineTime()).plus(
+                EngineTime(**{k: v for k, v in entry.items() if k in known})
+            )
+    return {engine: entry.as_dict() for engine, entry in total.items()}

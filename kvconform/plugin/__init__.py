@@ -12,7 +12,7 @@ import pytest
 from kvconform import envs
 from kvconform.errors import KvconformError
 from kvconform.plugin import options
-from kvconform.plugin.collection import Collection, Ordering
+from kvconform.plugin.collection import Collection, EngineLanes, Ordering
 from kvconform.plugin.fixtures import Fixtures
 from kvconform.plugin.recording import Recording, is_worker
 from kvconform.plugin.session import (
@@ -69,7 +69,13 @@ def pytest_configure(config: pytest.Config) -> None:
     except KvconformError as exc:
         raise pytest.UsageError(f"kvconform: {exc}") from None
     start_session(config)
-    plugins = {"collection": Collection, "ordering": Ordering, "fixtures": Fixtures, "recording": Recording}
+    plugins = {
+        "collection": Collection,
+        "lanes": EngineLanes,
+        "ordering": Ordering,
+        "fixtures": Fixtures,
+        "recording": Recording,
+    }
     for name, hooks in plugins.items():
         config.pluginmanager.register(hooks(), f"kvconform-{name}")
 

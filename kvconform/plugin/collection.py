@@ -143,6 +143,23 @@ class Collection:
                 item.stash[findings.ENTRY_KEY] = entry
 
 
+class EngineLanes:
+    """Under `pytest -n N --dist loadgroup`, each engine's checks are one xdist group: an
+    engine's servers live in one worker for the whole session (one server per configuration),
+    and engines run side by side. Engine starts are mostly single-threaded imports, so two
+    engines on two cores take little more than the slower one."""
+
+    @staticmethod
+    @pytest.hookimpl(tryfirst=True)  # before xdist's worker renames items by their group
+    def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            name = engine_of(item)
+            if name is not None:
+                item.add_marker(pytest.mark.xdist_group(name))
+
+
 class Ordering:
     @staticmethod
     @pytest.hookimpl(trylast=True)  # after pytest grouped the items by engine (a session param)

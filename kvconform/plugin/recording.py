@@ -133,6 +133,10 @@ class Recording:
         if mutant is not None:
             meta["mutant"] = mutant
         path = merge(kv.results_dir, meta)
+        if not meta["engine_time"] and session.config.pluginmanager.hasplugin("dsession"):
+            records = json.loads(path.read_text())["records"]
+            meta["engine_time"] = timing.summed([r.get("engine_time") or {} for r in records])
+            path = merge(kv.results_dir, meta)
         report.write_allure_environment(session.config, meta)
         session.config.stash[_results_path_key] = path
 
