@@ -84,14 +84,14 @@ mutants: envs
 	  --work $(RESULTS)/mutants --out docs/mutants.md
 
 # In CI, after `engines`: one fast mutant per engine against the engines run's clean records, so
-# the machinery itself stays tested (the full table is `make mutants`).
-SMOKE_MUTANTS ?= vllm:eviction_unannounced sglang-server:eviction_unannounced sglang:transfer_bytes_ignore_fanout \
-  lmcache:fs_l2_listeners_unfired lmcache-redis:l2_restore_on_access omlx:exact_hit_state_at_n
+# the machinery itself stays tested (the full table is `make mutants`). Two at a time, in this
+# order so the two LMCache stacks do not overlap; any failure fails the target (xargs exits 123).
+SMOKE_MUTANTS ?= vllm:eviction_unannounced lmcache:fs_l2_listeners_unfired sglang-server:eviction_unannounced \
+  sglang:transfer_bytes_ignore_fanout omlx:exact_hit_state_at_n lmcache-redis:l2_restore_on_access
 mutants-smoke: venv
-	set -e; for em in $(SMOKE_MUTANTS); do e=$${em%%:*}; \
-	  clean=$(RESULTS)/engines; [ -d $(RESULTS)/engines-$$e ] && clean=$(RESULTS)/engines-$$e; \
-	  $(BIN)/kvconform mutants --engine $$e --mutant $${em#*:} --clean-from $$clean \
-	    --work $(RESULTS)/mutants-smoke --out $(RESULTS)/mutants-smoke/$$e.md; done
+	printf '%s\n' $(SMOKE_MUTANTS) | xargs -P 2 -n 1 sh -c 'e=$${0%%:*}; \
+	  exec $(BIN)/kvconform mutants --engine $$e --mutant $${0#*:} --clean-from $(RESULTS)/engines \
+	    --work $(RESULTS)/mutants-smoke/$$e --out $(RESULTS)/mutants-smoke/$$e.md'
 
 # Long run, not part of CI: the release-history corpus (kvconform/history/defects.toml). Builds each
 # bug's last bad and first fixed release (environments cached like the others), runs its check on
