@@ -223,6 +223,9 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
                 self.url("/health"),
                 env=self.server_env(self._tmpdir),
                 timeout_s=self.ctx.start_timeout_s,
+                # The load snapshot SGLang never unlinks: swept even when the server dies before
+                # /health, when the tree's held files were never read.
+                shm_patterns=("sglang_loads_*",),
                 session=self.http,
             )
             self.server.pids()  # the tree's /dev/shm files, recorded for the teardown audit
