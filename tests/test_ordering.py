@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvconform.plugin.collection import starting_config
+from kvconform.plugin.collection import EngineLanes, starting_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,3 +70,26 @@ def test_engine_default_block_size_is_the_default_configuration() -> None:
     assert starting_config(FakeItem(None, {}), default_block_size=32) == ()
     off = pytest.mark.engine_config(offload=False, persistent=True).mark
     assert starting_config(FakeItem(off, {}), default_block_size=16) == (("persistent", True),)
+
+
+class LaneItem:
+    def __init__(self, engine: str | None) -> None:
+        self.callspec = SimpleNamespace(params={"engine_name": engine}) if engine else None
+        self.markers: list[pytest.MarkDecorator] = []
+
+    def add_marker(self, marker: pytest.MarkDecorator) -> None:
+        self.markers.append(marker)
+
+
+@pytest.mark.parametrize("loadgroup", [True, False])
+def test_each_engine_is_one_xdist_group_under_loadgroup(loadgroup: bool) -> None:
+    """Under `-n N --dist loadgroup` an engine's checks stay in one worker (its servers are
+    started once there); otherwise no marker is added."""
+    items = [LaneItem("vllm"), LaneItem("lmcache"), LaneItem("vllm"), LaneItem(None)]
+    config = SimpleNamespace(option=SimpleNamespace(loadgroup=loadgroup))
+    EngineLanes.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    groups = [[m.mark.args for m in item.markers if m.mark.name == "xdist_group"] for item in items]
+    if loadgroup:
+        assert groups == [[("vllm",)], [("lmcache",)], [("vllm",)], []]
+    else:
+        assert groups == [[], [], [], []]
