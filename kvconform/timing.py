@@ -112,10 +112,10 @@ def since(earlier: dict[str, EngineTime]) -> dict[str, dict[str, float]]:
 def summed(ledgers: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per-check ledgers added up per engine: the session's ledger under xdist, where the
     controller starts no engine (session teardowns in the workers are not in any check's)."""
+    known = {f.name for f in fields(EngineTime)}
     total: dict[str, EngineTime] = {}
     for ledger in ledgers:
         for engine, entry in ledger.items():
-            known = {f.name for f in fields(EngineTime)}
             total[engine] = total.get(engine, EngineTime()).plus(
                 EngineTime(**{k: v for k, v in entry.items() if k in known})
             )
