@@ -1,4 +1,7 @@
-"""Self-tests that launch a real engine run only where its environments are built."""
+"""Self-tests that launch a real engine run only where its environments are built.
+
+They carry the `engine_env` mark: `make test` runs the other self-tests while the engine
+environments build, and these after (Makefile `selftest-harness` / `selftest-engines`)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,11 @@ def built(spec: str) -> bool:
     return True
 
 
-def skip_unless_built(*specs: str) -> pytest.MarkDecorator:
+def skip_unless_built(*specs: str) -> list[pytest.MarkDecorator]:
     missing = [s for s in specs if not built(s)]
-    return pytest.mark.skipif(
-        bool(missing), reason=f"environment(s) {', '.join(missing)} not built (kvconform env build)"
-    )
+    return [
+        pytest.mark.engine_env,
+        pytest.mark.skipif(
+            bool(missing), reason=f"environment(s) {', '.join(missing)} not built (kvconform env build)"
+        ),
+    ]

@@ -18,6 +18,7 @@ from kvconform.adapters.lmcache.redis_server import RedisServer, RespClient, Res
 from kvconform.contract import AdapterContext, EngineConfig
 from kvconform.errors import UsageError
 
+pytestmark = pytest.mark.engine_env  # parses/runs in built engine environments (tests/engine_envs.py)
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
 

@@ -19,6 +19,7 @@ from kvconform.errors import UsageError
 from kvconform.metrics import MetricSnapshot
 from kvconform.plugin.session import load_profiles
 
+pytestmark = pytest.mark.engine_env  # parses/runs in built engine environments (tests/engine_envs.py)
 ADAPTERS = Path(__file__).resolve().parents[1] / "kvconform" / "adapters"
 SHIPPED = sorted(ADAPTERS.glob("*/profiles/*.toml"))
 CLASSES = {

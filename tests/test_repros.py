@@ -18,6 +18,7 @@ from kvconform import envs, repro
 from kvconform.findings import Finding
 from tests.engine_envs import built
 
+pytestmark = pytest.mark.engine_env  # parses/runs in built engine environments (tests/engine_envs.py)
 DEFECTS = repro.all_defects()
 
 

@@ -14,6 +14,7 @@ from tests.chaos.harness import Row, first_line, run_chaos, summarize
 from tests.chaos.test_chaos_engine import BLOCK, FIRST, THREE, TIMEOUT_S, assert_clean, relaunched_note
 
 
+@pytest.mark.engine_env
 def test_vllm_cpu_sigkill_mid_check_relaunches(tmp_path: Path, chaos_table) -> None:
     import os
 
