@@ -74,6 +74,7 @@ class SglangAdapter(EngineAdapter):
         if ctx.url is not None:
             raise UsageError("engine sglang is in-process: attach to a server with --engine sglang-server")
         self.driver: DriverProcess | None = None
+        self.cache_api = True  # the driver says at start (older releases: transfer ops only)
         self.seq = 0
 
     def capability_gaps(self) -> dict[Capability, str]:
@@ -112,7 +113,11 @@ class SglangAdapter(EngineAdapter):
                 DRIVERS / "sglang_driver.py",
                 self.ctx.workdir / "logs" / "sglang-driver.log",
             )
-        self.new_cache(config.block_size or self.default_block_size)
+        # A release older than the cache API the driver speaks (the release-history corpus runs
+        # only the transfer ops there) starts without a cache; a cache op then names what is missing.
+        self.cache_api = bool(self.driver.call("info").get("cache_api", True))
+        if self.cache_api:
+            self.new_cache(config.block_size or self.default_block_size)
         self.config = config
 
     def new_cache(self, page_size: int, capacity_tokens: int = CAPACITY_TOKENS) -> dict[str, Any]:
@@ -233,20 +238,24 @@ class SglangAdapter(EngineAdapter):
         if abort_after_pages is not None:
             raise NotImplementedError("SGLang in-process has no transfer to abort")
         previous = self.config or EngineConfig()
-        self.new_cache(page_size)
+        m = self.model
+        pool = {
+            "kind": "mha" if layout == "mha" else "mla",
+            "page_size": page_size,
+            "layer_num": m.layers,
+            "head_num": m.kv_heads,
+            "head_dim": m.head_dim,
+            "kv_lora_rank": m.latent_dim - 64,
+            "qk_rope_head_dim": 64,
+            "dtype": "bfloat16",
+        }
+        if self.cache_api:
+            self.new_cache(page_size)
         try:
-            kv_indices = self.call("insert", token_ids=tokens)["kv_indices"]
-            m = self.model
-            pool = {
-                "kind": "mha" if layout == "mha" else "mla",
-                "page_size": page_size,
-                "layer_num": m.layers,
-                "head_num": m.kv_heads,
-                "head_dim": m.head_dim,
-                "kv_lora_rank": m.latent_dim - 64,
-                "qk_rope_head_dim": 64,
-                "dtype": "bfloat16",
-            }
+            if self.cache_api:
+                kv_indices = self.call("insert", token_ids=tokens)["kv_indices"]
+            else:  # a release older than the cache ops: the allocator alone, as for a request without prefix
+                kv_indices = self.call("alloc_kv", num_tokens=len(tokens), pool=pool)["kv_indices"]
             state = layout == "mla_state"
             result = self.call(
                 "transfer_bytes",
@@ -261,7 +270,8 @@ class SglangAdapter(EngineAdapter):
                 receivers={"mha": 1, "mla": destinations}.get(layout, 0),
             )
         finally:
-            self.new_cache(previous.block_size or self.default_block_size)
+            if self.cache_api:
+                self.new_cache(previous.block_size or self.default_block_size)
         return TransferResult(
             kv_indices=kv_indices,
             page_indices=result["page_indices"],

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import inspect
 import os
+import socket
 import sys
 import time
 import warnings
@@ -67,37 +69,52 @@ from sglang.srt.runtime_context import get_context, get_parallel, get_server_arg
 # In-process we publish SGLang's own test-style dummy config (ServerArgs(model_path="dummy"),
 # resolved) with device=cpu. Defaults that matter here: no speculative decoding,
 # strip_thinking_cache False, page_size from our ops, tp/cp/pp/dp sizes 1.
-_SERVER_ARGS_OVERRIDE = get_context().override_server_args(device="cpu")
-_SERVER_ARGS_OVERRIDE.install()
+if hasattr(get_context(), "override_server_args"):  # 0.5.16 and later
+    _SERVER_ARGS_OVERRIDE = get_context().override_server_args(device="cpu")
+    _SERVER_ARGS_OVERRIDE.install()
+else:  # 0.5.15.post1: the same dummy config, published whole
+    from sglang.srt.server_args import ServerArgs
+
+    get_context().set_server_args(ServerArgs(model_path="dummy", device="cpu"))
 
 from sglang.srt.disaggregation.base.conn import KVArgs  # noqa: E402
 from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVSender  # noqa: E402
 from sglang.srt.disaggregation.utils import DisaggregationMode, is_mla_backend  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
-from sglang.srt.mem_cache.allocation import (  # noqa: E402
-    alloc_paged_token_slots_extend,
-    alloc_req_slots,
-    alloc_token_slots,
-)
-from sglang.srt.mem_cache.allocator import (  # noqa: E402
-    PagedTokenToKVPoolAllocator,
-    TokenToKVPoolAllocator,
-)
-from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
-    EvictParams,
-    InsertParams,
-    MatchPrefixParams,
-)
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.common import kv_to_page_indices, release_kv_cache  # noqa: E402
-from sglang.srt.mem_cache.events import KVCacheEventRecorder  # noqa: E402
+from sglang.srt.mem_cache.common import kv_to_page_indices  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
     MHATokenToKVPool,
     MLATokenToKVPool,
     ReqToTokenPool,
 )
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+# The cache ops speak the scheduler API of 0.5.22+ (mem_cache/allocation.py, the event
+# recorder); the release-history corpus runs the transfer ops on releases without them
+# (0.5.15.post1, 0.5.16), where a cache op fails naming the missing module instead.
+try:
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.mem_cache.allocation import (
+        alloc_paged_token_slots_extend,
+        alloc_req_slots,
+        alloc_token_slots,
+    )
+    from sglang.srt.mem_cache.allocator import (
+        PagedTokenToKVPoolAllocator,
+        TokenToKVPoolAllocator,
+    )
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.common import release_kv_cache
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    CACHE_API_MISSING: ImportError | None = None
+except ImportError as exc:
+    CACHE_API_MISSING = exc
 
 IMPORT_SECONDS = time.perf_counter() - _t_import
 ENGINE = "sglang"
@@ -355,6 +372,8 @@ _S: _CacheSession | None = None
 
 
 def _session() -> _CacheSession:
+    if _S is None and CACHE_API_MISSING is not None:
+        raise RuntimeError(f"sglang {VERSION} lacks the cache API these ops speak: {CACHE_API_MISSING}")
     if _S is None:
         raise RuntimeError("no cache: call new_cache first")
     return _S
@@ -383,6 +402,7 @@ def op_info() -> dict:
         "torchvision_standin": TORCHVISION_STANDIN,
         "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
         "import_seconds": round(IMPORT_SECONDS, 3),
+        "cache_api": CACHE_API_MISSING is None,
     }
 
 
@@ -404,6 +424,8 @@ def op_new_cache(
     need_sort: bool = False,
 ) -> dict:
     global _S
+    if CACHE_API_MISSING is not None:
+        raise RuntimeError(f"sglang {VERSION} lacks the cache API these ops speak: {CACHE_API_MISSING}")
     _S = _CacheSession(
         page_size=int(page_size),
         capacity_tokens=int(capacity_tokens),
@@ -592,6 +614,40 @@ def _next_id() -> int:
     return _IDS["next"]
 
 
+def _state_single_rank_topology() -> None:
+    """Rank 0 of size 1 everywhere, as a one-GPU launcher would have it before a KV manager is
+    built. From 0.5.20 the runtime context takes it as overrides; earlier releases read the
+    process groups and the DP-attention slots, which a launcher sets up with SGLang's own
+    initializers (ModelRunner.init_torch_distributed on CPU: gloo, one rank), run here once."""
+    par = get_parallel()
+    if hasattr(par, "override_permanently"):
+        for name, value in _PARALLEL_RANKS.items():
+            par.override_permanently(**{name: value})
+        par.override_permanently(pp_group=None)
+        return
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import dp_attention
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    parallel_state.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    parallel_state.initialize_model_parallel()
+    # What initialize_dp_attention reads of the model config: hf_config's hybrid_override_pattern
+    # and (0.5.16) the hidden size and dtype of the DP gather buffers, which one DP rank never
+    # allocates (so no model's hidden size is needed: the transfer ops know only the KV pool).
+    model = SimpleNamespace(hf_config=SimpleNamespace(), hidden_size=1, dtype=torch.bfloat16)
+    dp_attention.initialize_dp_attention(get_server_args(), model)
+
+
 def _build_pool(pool_spec: dict, size: int | None = None) -> Any:
     kind = pool_spec.get("kind", "mha")
     page_size = int(pool_spec.get("page_size", 1))
@@ -630,6 +686,28 @@ def _pool_item_lens(pool_spec: dict) -> tuple[list[int], bool]:
     pool = _build_pool(pool_spec)
     _, _, item_lens = pool.get_contiguous_buf_infos()
     return [int(x) for x in item_lens], is_mla_backend(pool)
+
+
+def op_alloc_kv(num_tokens: int, pool: dict) -> dict:
+    """KV indices for one request of `num_tokens` without a cached prefix, from SGLang's token
+    allocator (TokenToKVPoolAllocator, or PagedTokenToKVPoolAllocator.alloc of whole pages, the
+    request using the first num_tokens slots) over a pool of the transfer's shape: what the
+    scheduler's allocation helpers return for such a request. For releases whose cache API the
+    cache ops do not speak; elsewhere the transfer allocates through the radix cache (insert)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+    page_size = int(pool.get("page_size", 1))
+    size = (-(-int(num_tokens) // page_size) + 1) * page_size
+    kv = _build_pool(pool, size)
+    dtype = _DTYPES[pool.get("dtype", "bfloat16")]
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(size, dtype, "cpu", kv, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", kv, need_sort=False)
+    out = allocator.alloc(-(-int(num_tokens) // page_size) * page_size)
+    if out is None:
+        raise RuntimeError(f"the allocator refused {num_tokens} tokens from a pool of {size}")
+    return {"kv_indices": [int(i) for i in out[: int(num_tokens)]]}
 
 
 def op_transfer_land(pool: dict, page_indices: list[int], receivers: int) -> dict:
@@ -680,10 +758,7 @@ def op_transfer_manager_new(
             is_mla = pool_is_mla
     if kv_item_lens is None:
         raise ValueError("give kv_item_lens or pool")
-    par = get_parallel()
-    for name, value in _PARALLEL_RANKS.items():
-        par.override_permanently(**{name: value})
-    par.override_permanently(pp_group=None)
+    _state_single_rank_topology()
     args = KVArgs()
     args.kv_data_ptrs = []
     args.kv_data_lens = []
@@ -705,6 +780,9 @@ def op_transfer_manager_new(
     )
     # Nothing is queued to a transfer engine here; send() stops after its own bookkeeping.
     mgr.add_transfer_request = lambda *a, **k: None  # stub: no transfer engine
+    # Where the sender is Mooncake's (_sender_class), the one manager field it reads beyond
+    # CommonKVManager's, set as MooncakeKVManager.__init__ sets it.
+    mgr.enable_trace = bool(getattr(get_server_args(), "enable_trace", False))
     mid = _next_id()
     _MANAGERS[mid] = mgr
     return {
@@ -730,10 +808,27 @@ def op_transfer_resolve(manager: int, required_dst_info_num: int | None) -> dict
     return {"replica_factor": mgr._kv_replica_factor, "effective": int(mgr.get_kv_replica_factor())}
 
 
+def _sender_class() -> type:
+    """The sender whose send() does the bookkeeping the metric reads. Recent releases do it in
+    CommonKVSender.send (Mooncake's sender adds tracing and a KV-sharding filter a single rank
+    does not use); up to 0.5.16 CommonKVSender.send is a stub (`pass`) and the backend's sender
+    does it: MooncakeKVSender, the class the prefill builds for the Mooncake backend."""
+    if inspect.getsource(CommonKVSender.send).rstrip().endswith("pass"):
+        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+        return MooncakeKVSender
+    return CommonKVSender
+
+
 def op_transfer_sender_new(manager: int, bootstrap_room: int, num_pages: int) -> dict:
-    """CommonKVSender.__init__ (real) + init(num_pages)."""
+    """The sender's __init__ (real) + init(num_pages)."""
     mgr = _MANAGERS[int(manager)]
-    sender = CommonKVSender(mgr, "127.0.0.1:0", int(bootstrap_room))
+    sender_class = _sender_class()
+    kwargs = {}
+    if "dest_tp_ranks" in inspect.signature(sender_class.__init__).parameters:
+        # 0.5.15.post1: the prefill bootstrap queue passes its own rank (disaggregation/prefill.py)
+        kwargs = {"dest_tp_ranks": [0], "pp_rank": 0}
+    sender = sender_class(mgr, "127.0.0.1:0", int(bootstrap_room), **kwargs)
     sender.init(int(num_pages))
     sid = _next_id()
     _SENDERS[sid] = sender
@@ -743,7 +838,7 @@ def op_transfer_sender_new(manager: int, bootstrap_room: int, num_pages: int) ->
 def op_transfer_send(
     sender: int, page_indices: list[int], state_indices: list[list[int] | None] | None = None
 ) -> dict:
-    """CommonKVSender.send (real) up to the transfer engine hand-off, which is stubbed."""
+    """The sender's send (real) up to the transfer engine hand-off, which is stubbed."""
     snd = _SENDERS[int(sender)]
     pages = np.asarray([int(p) for p in page_indices], dtype=np.int32)
     states = None
@@ -834,6 +929,7 @@ HANDLERS = {
     "take_events": op_take_events,
     "reset": op_reset,
     "kv_to_page_indices": op_kv_to_page_indices,
+    "alloc_kv": op_alloc_kv,
     "transfer_manager_new": op_transfer_manager_new,
     "transfer_resolve": op_transfer_resolve,
     "transfer_sender_new": op_transfer_sender_new,
