@@ -116,11 +116,16 @@ class EngineProcess:
         stdin_pipe: bool = False,
         stdout_pipe: bool = False,
         shm_patterns: Iterable[str] = (),
+        stop_whole_group: bool = True,
     ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
         self.shm_patterns = tuple(shm_patterns)
+        # False: stop() signals the top process alone and lets it shut its children down (its
+        # own stop path), then the group only if the grace runs out. A signal to every process
+        # at once can kill a child before it cleans up (SGLang: a named semaphore left each stop).
+        self.stop_whole_group = stop_whole_group
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         full_env = {**os.environ, **(env or {})}
@@ -203,7 +208,10 @@ class EngineProcess:
         t0 = time.monotonic()
         forced = False
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pgid, sig)
+            if self.stop_whole_group:
+                os.killpg(self.pgid, sig)
+            else:
+                os.kill(self.pid, sig)
         # A stopped (SIGSTOPped, hung in a debugger) tree only acts on the signal once it runs
         # again: continue it, or teardown waits the whole grace period for nothing.
         self._continue_all()

@@ -268,3 +268,47 @@ def test_engine_hashes_with_its_own_seed_not_the_runners(tmp_path: Path, monkeyp
         proc.stop(grace_s=1)
     assert "seed None" in (tmp_path / "a.log").read_text()
     assert "seed 3" in (tmp_path / "b.log").read_text()
+
+
+# A top process that, on SIGTERM, tells its child with SIGUSR1 a second later and waits for it (an
+# engine's own shutdown); the child writes down the first signal that reached it.
+TOP_STOPS_CHILD = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+def note(signum, frame):
+    open(sys.argv[1], "w").write(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, note)
+signal.signal(signal.SIGUSR1, note)
+while True:
+    time.sleep(0.05)
+''', sys.argv[1]])
+def shutdown(signum, frame):
+    time.sleep(1.0)  # a group's SIGTERM reaches the child first
+    child.send_signal(signal.SIGUSR1)
+    child.wait()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, shutdown)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize(("whole_group", "child_saw"), [(True, "SIGTERM"), (False, "SIGUSR1")])
+def test_stop_signals_the_top_alone_when_asked(tmp_path: Path, whole_group: bool, child_saw: str) -> None:
+    """stop_whole_group=False leaves the children to the top process's own shutdown."""
+    note = tmp_path / "child-signal"
+    proc = EngineProcess(
+        "top-stops-child",
+        [sys.executable, "-c", TOP_STOPS_CHILD, str(note)],
+        tmp_path / "log",
+        stop_whole_group=whole_group,
+    )
+    deadline = time.monotonic() + 10
+    while len(proc.pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the child's handlers are installed
+    report = proc.stop(grace_s=10)
+    assert note.read_text() == child_saw
+    assert report.clean and not report.forced_kill, report.describe()

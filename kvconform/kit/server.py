@@ -31,6 +31,7 @@ class LaunchedServer:
         timeout_s: float = 300.0,
         shm_patterns: tuple[str, ...] = (),
         session: requests.Session | None = None,
+        stop_whole_group: bool = True,
     ) -> None:
         from kvconform.processes import EngineProcess, wait_until_ready
 
@@ -38,7 +39,12 @@ class LaunchedServer:
         # timed here too: a churn cycle restarts servers inside the adapter, past ensure()
         with timing.starting(engine):
             self.process = EngineProcess(
-                name, argv, workdir / "logs" / f"{name}.log", env=env, shm_patterns=shm_patterns
+                name,
+                argv,
+                workdir / "logs" / f"{name}.log",
+                env=env,
+                shm_patterns=shm_patterns,
+                stop_whole_group=stop_whole_group,
             )
             http = session or requests.Session()
             self.ready_after_s = wait_until_ready(

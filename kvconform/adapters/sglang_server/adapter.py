@@ -224,9 +224,15 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
                 env=self.server_env(self._tmpdir),
                 timeout_s=self.ctx.start_timeout_s,
                 # The load snapshot SGLang never unlinks: swept even when the server dies before
-                # /health, when the tree's held files were never read.
-                shm_patterns=("sglang_loads_*",),
+                # /health, when the tree's held files were never read. sem.mp-*: the scheduler's
+                # tqdm lock, a named semaphore under spawn that glibc links from a temp file, so
+                # no process maps it by this name and only a pattern sees it left behind.
+                shm_patterns=("sglang_loads_*", "sem.mp-*"),
                 session=self.http,
+                # SIGTERM to the server process alone, SGLang's own shutdown: it drains and ends
+                # its children itself. To the whole group, the scheduler dies at once and SGLang
+                # SIGKILLs the rest, the resource tracker included: its sem.mp-* stays.
+                stop_whole_group=False,
             )
             self.server.pids()  # the tree's /dev/shm files, recorded for the teardown audit
             self.server_info()  # the page size and version: fail at start, not in a check
