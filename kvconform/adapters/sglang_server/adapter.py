@@ -224,10 +224,11 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
                 env=self.server_env(self._tmpdir),
                 timeout_s=self.ctx.start_timeout_s,
                 # The load snapshot SGLang never unlinks: swept even when the server dies before
-                # /health, when the tree's held files were never read. sem.mp-*: the scheduler's
-                # tqdm lock, a named semaphore under spawn that glibc links from a temp file, so
-                # no process maps it by this name and only a pattern sees it left behind.
-                shm_patterns=("sglang_loads_*", "sem.mp-*"),
+                # /health, when the tree's held files were never read. Not sem.mp-* (the
+                # scheduler's tqdm lock, a named semaphore under spawn): glibc links it from a temp
+                # file, so no process maps it by name and a pattern cannot tell it from another
+                # engine's live one (a vLLM starting in the other lane lost its worker's lock).
+                shm_patterns=("sglang_loads_*",),
                 session=self.http,
                 # SIGTERM to the server process alone, SGLang's own shutdown: it drains and ends
                 # its children itself. To the whole group, the scheduler dies at once and SGLang
