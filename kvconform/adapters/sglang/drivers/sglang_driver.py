@@ -371,9 +371,14 @@ class _CacheSession:
 _S: _CacheSession | None = None
 
 
-def _session() -> _CacheSession:
-    if _S is None and CACHE_API_MISSING is not None:
+def _require_cache_api() -> None:
+    if CACHE_API_MISSING is not None:
         raise RuntimeError(f"sglang {VERSION} lacks the cache API these ops speak: {CACHE_API_MISSING}")
+
+
+def _session() -> _CacheSession:
+    if _S is None:
+        _require_cache_api()
     if _S is None:
         raise RuntimeError("no cache: call new_cache first")
     return _S
@@ -424,8 +429,7 @@ def op_new_cache(
     need_sort: bool = False,
 ) -> dict:
     global _S
-    if CACHE_API_MISSING is not None:
-        raise RuntimeError(f"sglang {VERSION} lacks the cache API these ops speak: {CACHE_API_MISSING}")
+    _require_cache_api()
     _S = _CacheSession(
         page_size=int(page_size),
         capacity_tokens=int(capacity_tokens),
@@ -697,14 +701,15 @@ def op_alloc_kv(num_tokens: int, pool: dict) -> dict:
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
     page_size = int(pool.get("page_size", 1))
-    size = (-(-int(num_tokens) // page_size) + 1) * page_size
+    pages = -(-int(num_tokens) // page_size)
+    size = (pages + 1) * page_size
     kv = _build_pool(pool, size)
     dtype = _DTYPES[pool.get("dtype", "bfloat16")]
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, dtype, "cpu", kv, need_sort=False)
     else:
         allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", kv, need_sort=False)
-    out = allocator.alloc(-(-int(num_tokens) // page_size) * page_size)
+    out = allocator.alloc(pages * page_size)
     if out is None:
         raise RuntimeError(f"the allocator refused {num_tokens} tokens from a pool of {size}")
     return {"kv_indices": [int(i) for i in out[: int(num_tokens)]]}
