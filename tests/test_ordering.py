@@ -31,6 +31,7 @@ def config_of(nodeid: str) -> str:
         return "block 32"
     for folder, config in (
         ("test_gauges.py", "offload"),
+        ("test_admission.py", "offload with a store threshold"),
         ("test_tiers.py", "persistent"),
         ("remote_tier.py", "persistent"),
         ("test_persistence.py", "persistent"),

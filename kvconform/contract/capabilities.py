@@ -27,6 +27,7 @@ class Capability(StrEnum):
     OFFLOAD_GAUGES = "offload_gauges"  # usage / write / read gauges of an offload tier
     OFFLOAD_STORE_FAILURE = "offload_store_failure"  # stores can be made to fail on demand
     OFFLOAD_HOST_HITS = "offload_host_hits"  # offloaded prefixes come back as host hits
+    OFFLOAD_STORE_THRESHOLD = "offload_store_threshold"  # a block is offloaded only on its Nth offer
     TIERED_STORE_METRICS = "tiered_store_metrics"  # L1/L2 usage and store counters
     BLOCK_POOL_STATS = "block_pool_stats"  # used/free/max blocks and reuse counters
     # events and transfer

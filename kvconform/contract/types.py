@@ -49,6 +49,8 @@ class EngineConfig:
     block_size: int | None = None  # None: the adapter's default
     offload: bool = False  # enable the host offload tier
     fail_stores: bool = False  # offload stores fail (failed-store path)
+    # offload a block only once it has been offered for storing this many times (0: every offer)
+    offload_store_threshold: int = 0
     persistent: bool = False  # enable the persistent (disk) tier
     disaggregated: bool = False  # separate prefill and decode instances, KV handed off between
 

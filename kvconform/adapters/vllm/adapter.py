@@ -93,6 +93,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             C.OFFLOAD_GAUGES,
             C.OFFLOAD_STORE_FAILURE,
             C.OFFLOAD_HOST_HITS,
+            C.OFFLOAD_STORE_THRESHOLD,
         }
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
@@ -122,6 +123,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         C.KV_EVENTS,
         C.OFFLOAD_GAUGES,
         C.OFFLOAD_HOST_HITS,
+        C.OFFLOAD_STORE_THRESHOLD,
     }
 
     def __init__(self, ctx: AdapterContext) -> None:
@@ -223,7 +225,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         argv += ["--kv-events-config", json.dumps(kv_events), "--disable-uvicorn-access-log"]
         argv += ["--shutdown-timeout", str(SHUTDOWN_GRACE_S)]  # before the profile's: it may set its own
         if config.offload:
-            argv += self.offload_args()
+            argv += self.offload_args(config.offload_store_threshold)
         return [*argv, *self.profile.extra_args]
 
     @property
@@ -231,20 +233,33 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         """The profile asks for vLLM's native CPU offload (GPU builds) over our host-copy spec."""
         return self.profile.offload.get("backend") == "native"
 
-    def offload_args(self) -> list[str]:
+    def offload_args(self, store_threshold: int = 0) -> list[str]:
         """The host tier: vLLM's native CPU offload when the profile asks for it (GPU builds),
         else vLLM's OffloadingConnector with kvconform's host-copy spec (its store-failure
-        switch and delays are what OFFLOAD_STORE_FAILURE drives)."""
+        switch and delays are what OFFLOAD_STORE_FAILURE drives). A store threshold is vLLM's
+        `store_threshold` in the connector's extra config (vllm/v1/kv_offload/cpu/spec.py
+        get_manager), which the native backend's flags cannot say: there the connector is
+        spelled out as vLLM's own CPUOffloadingSpec."""
         offload = self.profile.offload
         if "kv_transfer_config" in self.profile.connector and not self.native_offload:
             raise NotImplementedError(
                 f"launch profile {self.profile.name}: its [connector] owns --kv-transfer-config; "
                 'the offload checks need [offload] backend = "native" there'
             )
-        if self.native_offload:
-            gib = int(offload.get("size_bytes", OFFLOAD_CPU_BYTES)) / 2**30
-            return ["--kv-offloading-size", f"{gib:g}", "--kv-offloading-backend", "native"]
-        return ["--kv-transfer-config", json.dumps(self.offload_transfer_config())]
+        size = int(offload.get("size_bytes", OFFLOAD_CPU_BYTES))
+        if self.native_offload and not store_threshold:
+            return ["--kv-offloading-size", f"{size / 2**30:g}", "--kv-offloading-backend", "native"]
+        extra: dict[str, object] = (
+            {"cpu_bytes_to_use": size} if self.native_offload else self.host_copy_extra_config()
+        )
+        if store_threshold:
+            extra["store_threshold"] = store_threshold
+        transfer = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        return ["--kv-transfer-config", json.dumps(transfer)]
 
     def command_argvs(self) -> list[list[str]]:
         """What launch mode would run (`serve` first), for each config the suites ask for:
@@ -291,19 +306,16 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         """While this file exists, the offload spec fails new stores (read by the engine)."""
         return self.ctx.workdir / "vllm-offload-fail-stores"
 
-    def offload_transfer_config(self) -> dict[str, object]:
+    def host_copy_extra_config(self) -> dict[str, object]:
+        """The OffloadingConnector's extra config for kvconform's host-copy spec."""
         return {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "cpu_bytes_to_use": int(self.profile.offload.get("size_bytes", OFFLOAD_CPU_BYTES)),
-                "spec_name": OFFLOAD_SPEC_CLASS,
-                "spec_module_path": OFFLOAD_SPEC_MODULE,
-                "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
-                "kvconform_load_delay_s": OFFLOAD_LOAD_DELAY_S,
-                "kvconform_fail_stores_file": str(self.fail_stores_file()),
-                "kvconform_transfer_log": str(self.transfer_log_file()),
-            },
+            "cpu_bytes_to_use": int(self.profile.offload.get("size_bytes", OFFLOAD_CPU_BYTES)),
+            "spec_name": OFFLOAD_SPEC_CLASS,
+            "spec_module_path": OFFLOAD_SPEC_MODULE,
+            "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
+            "kvconform_load_delay_s": OFFLOAD_LOAD_DELAY_S,
+            "kvconform_fail_stores_file": str(self.fail_stores_file()),
+            "kvconform_transfer_log": str(self.transfer_log_file()),
         }
 
     def transfer_log_file(self) -> Path:
@@ -405,7 +417,9 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         if config.persistent:
             raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
         if config.offload:
-            self.offload_args()  # NotImplementedError now, before a server starts
+            self.offload_args(
+                config.offload_store_threshold
+            )  # NotImplementedError now, before a server starts
             self._write_fail_stores_file(config.fail_stores)
         port = free_port()
         events, replay = self.open_event_subscriber()

@@ -295,7 +295,9 @@ class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            # host chunks: num_chunks from vLLM 0.29.0, num_blocks before
+            chunks = getattr(self, "num_chunks", None) or self.num_blocks
             self._worker = HostCopyWorker(
-                kv_caches, self.num_chunks, self.store_delay_s, self.load_delay_s, self.transfer_log
+                kv_caches, chunks, self.store_delay_s, self.load_delay_s, self.transfer_log
             )
         return self._worker
