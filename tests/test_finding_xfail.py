@@ -33,7 +33,7 @@ def run_with(tmp_path: Path, measures: str, faults: list[str]) -> tuple[str, dic
     options = ["--engine", "reference", "--known-failures", str(manifest), "--check", CHECK]
     options += [arg for fault in faults for arg in ("--fault", fault)]
     proc, records = run_suites(["kvconform/suites"], options, tmp_path / "results", timeout=300)
-    assert CHECK in records, proc.stdout[-3000:]
+    assert CHECK in records, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
     return proc.stdout, records[CHECK]
 
 

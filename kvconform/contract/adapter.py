@@ -287,6 +287,11 @@ class EngineAdapter(ABC):
         keep the result cached. Reports the cached tokens the engine itself claims."""
         raise NotImplementedError
 
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        """serve_prompt under a cache salt (CACHE_SALT): the engine's documented per-request
+        salt, which keeps the prompt's cached prefix apart from every other salt's."""
+        raise NotImplementedError
+
     def reset_prefix_cache(self) -> None:
         raise NotImplementedError
 

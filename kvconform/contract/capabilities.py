@@ -18,6 +18,7 @@ class Capability(StrEnum):
     PERSISTENT_PREFIX = "persistent_prefix"  # the engine promises hits survive a restart
     CORRUPT_PERSISTED = "corrupt_persisted"  # persisted entries can be corrupted on disk
     FORCED_EVICTION = "forced_eviction"  # the cache can be filled until a prefix is evicted
+    CACHE_SALT = "cache_salt"  # serve_salted(): a request's salt keeps its prefix-cache entries apart
     # memory
     HOST_MEMORY = "host_memory"  # the engine's own process tree is known
     INSTANCE_CHURN = "instance_churn"  # create/load/release instances repeatedly

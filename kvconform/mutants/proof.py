@@ -227,7 +227,13 @@ def merge(old: EngineProof, new: EngineProof, commit: str) -> EngineProof:
         measures[key] = list(dict.fromkeys(kept + new.measures.get(key, [])))
     when = f"{', '.join(sorted(rerun))} re-run on {dt.date.today().isoformat()} at commit {commit}"
     return EngineProof(
-        new.engine, new.version, outcomes, measures, new.reasons, [*old.merged, when], old.written
+        new.engine,
+        new.version,
+        outcomes,
+        measures,
+        new.reasons,
+        [*dict.fromkeys([*old.merged, when])],
+        old.written,
     )
 
 

@@ -32,7 +32,14 @@ from tests.contract.fake_sglang import FakeSglang, FakeSglangPublisher, removed,
 from tests.suite_runs import run_suites
 
 ATTACHED = frozenset(
-    {C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.ANSWERS_FROM_KV, C.RESET_PREFIX_CACHE, C.FORCED_EVICTION}
+    {
+        C.PREFIX_CACHE,
+        C.PREFIX_HIT_COUNTERS,
+        C.ANSWERS_FROM_KV,
+        C.RESET_PREFIX_CACHE,
+        C.FORCED_EVICTION,
+        C.CACHE_SALT,
+    }
 )
 
 

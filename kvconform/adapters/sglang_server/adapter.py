@@ -131,6 +131,7 @@ SERVER_CAPABILITIES = frozenset(
         C.ABORT_REQUESTS,
         C.INSTANCE_CHURN,  # whole-server restarts (RestartChurn)
         C.LONG_SESSION,  # judged by the tokens SGLang's pool says requests hold (/v1/loads)
+        C.CACHE_SALT,  # /v1/completions cache_salt (the same field from 0.5.17 on)
     }
 )
 
@@ -323,6 +324,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
             *("--served-model-name", p.served_model_name or SERVER_MODEL_NAME),
             *("--host", "127.0.0.1", "--port", str(port)),
             "--enable-metrics",
+            "--enable-cache-report",  # usage.prompt_tokens_details on /v1/completions (serve_salted)
             *("--page-size", str(config.block_size or self.default_block_size)),
             *self.pool_args(),
             *("--kv-events-config", json.dumps(self.kv_events_config(events, replay))),
@@ -463,6 +465,25 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         answer = self.post_json("/generate", self.generate_body(tokens, max_tokens))
         return self.served_from_generate(answer, tokens)
+
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        """The OpenAI completions field `cache_salt`: the one salt field every release from
+        0.5.17 has (protocol.py CompletionRequest; /generate takes `cache_salt` only from
+        0.5.18, `extra_key` before). Cached tokens come from usage.prompt_tokens_details,
+        which the server reports with --enable-cache-report."""
+        model = self.profile.served_model_name or SERVER_MODEL_NAME
+        body = {**self.completion_body(tokens, max_tokens), "model": model, "cache_salt": salt}
+        data = self.post_json("/v1/completions", body)
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if (
+            isinstance(usage, dict)
+            and "prompt_tokens" in usage
+            and usage.get("prompt_tokens_details") is None
+        ):
+            # With --enable-cache-report, releases such as 0.5.17 leave the details out when
+            # nothing was cached (usage_processor.py:13-15 _details_if_cached: count > 0 only).
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        return self.served_from_openai(data, tokens)
 
     def served_from_generate(self, data: Any, tokens: list[int]) -> ServedPrompt:
         """One /generate answer -> prompt tokens, cached tokens (by tier when given), output ids."""

@@ -94,6 +94,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             C.OFFLOAD_STORE_FAILURE,
             C.OFFLOAD_HOST_HITS,
             C.OFFLOAD_STORE_THRESHOLD,
+            C.CACHE_SALT,
         }
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
@@ -474,6 +475,11 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         return self.openai_completion(tokens, max_tokens, return_token_ids=True)
+
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        # CompletionRequest.cache_salt (entrypoints/openai/completion/protocol.py:224), hashed
+        # into the first block's extra keys (v1/core/kv_cache_utils.py:647)
+        return self.openai_completion(tokens, max_tokens, return_token_ids=True, cache_salt=salt)
 
     def reset_prefix_cache(self) -> None:
         """Reset the device prefix cache (and, with reset_external, the KV connector's cache:

@@ -1,0 +1,69 @@
+"""A cache salt keeps a prompt's cached prefix apart, in the engine and in its KV events.
+
+Tenants that share a server salt their requests so that none can hit, or time, another's
+cached prefix. The engine must keep the salts apart, and so must every index built from its
+KV events: a router or shared KV tier keys on the block hashes the engine announces, so the
+hashes of one salt's blocks must not be another's, or the index believes a prefix is cached
+for a salt the engine will never serve it to (SGLang #24568, fixed by #30827 in 0.5.18).
+
+Oracle: the same tokens under two salts the suite chose; no hash and no cached token shared
+between them, and the salt's own repeat still served from cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.contract import Capability as C
+from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt
+from kvconform.oracles import prefix_hit_tokens
+from kvconform.prompts import PromptFactory
+from kvconform.results import Verdict
+
+pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.KV_EVENTS, C.CACHE_SALT)
+
+
+def _served_and_stored(engine: EngineAdapter, prompt: list[int], salt: str) -> tuple[ServedPrompt, set[str]]:
+    engine.drain_events()
+    mark = engine.ledger.mark()
+    served = engine.serve_salted(prompt, salt)
+    engine.drain_events()
+    stored = {h for e in engine.ledger.since(mark) if e.kind == "stored" for h in e.block_hashes}
+    return served, stored
+
+
+def test_cache_salt_isolates_prefix_and_event_hashes(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+) -> None:
+    engine.ensure(EngineConfig())
+    block = engine.block_size()
+    prompt = prompts.fresh(4 * block + block // 2)
+    whole_blocks = len(prompt) // block
+    salt_a, salt_b = f"tenant-a-{prompts.fresh(1)[0]}", f"tenant-b-{prompts.fresh(1)[0]}"
+    _, stored_a = _served_and_stored(engine, prompt, salt_a)
+    served_b, stored_b = _served_and_stored(engine, prompt, salt_b)
+    again_a = engine.serve_salted(prompt, salt_a)
+    verdict.require("blocks_announced_salt_a", len(stored_a), ">=", whole_blocks, "blocks")
+    verdict.require("blocks_announced_salt_b", len(stored_b), ">=", whole_blocks, "blocks")
+    verdict.equal(
+        "block_hashes_shared_across_salts",
+        len(stored_a & stored_b),
+        0,
+        "blocks",
+        note="hashes announced for salt b's blocks that salt a's blocks already had",
+    )
+    verdict.equal(
+        "cached_tokens_across_salts",
+        served_b.cached_tokens,
+        0,
+        "tokens",
+        note="salt b must not hit what salt a cached",
+    )
+    verdict.equal(
+        "cached_tokens_same_salt",
+        again_a.cached_tokens,
+        prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token),
+        "tokens",
+        note="the salt's own repeat is still served from cache",
+    )
+    verdict.conclude()
