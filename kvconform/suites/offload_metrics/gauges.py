@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvconform.contract import Capability as C
 from kvconform.contract import EngineAdapter
 from kvconform.metrics import only_names
 from kvconform.sampling import PeriodicSampler
@@ -29,14 +30,19 @@ class GaugeSampler(PeriodicSampler):
         self.engine = engine
         self.samples: list[GaugeSample] = []
         self.counter_names = [c for c in COUNTERS if c in engine.metric_names]
+        # an engine without offload gauges (only its host hits judged) is sampled for counters
+        self.gauges = C.OFFLOAD_GAUGES in engine.effective_capabilities()
         self.scraped = [
-            engine.metric_names[m] for m in (*GAUGES, *self.counter_names) if m in engine.metric_names
+            engine.metric_names[m]
+            for m in (*(GAUGES if self.gauges else ()), *self.counter_names)
+            if m in engine.metric_names
         ]
 
     def sample(self) -> None:
         with only_names(self.scraped):
             snap = self.engine.metrics()
-        usage, write, read = (self.engine.metric(g, snap) for g in GAUGES)
+        nan = float("nan")  # never judged: the gauge checks require OFFLOAD_GAUGES
+        usage, write, read = (self.engine.metric(g, snap) if self.gauges else nan for g in GAUGES)
         counters = {c: self.engine.metric(c, snap) for c in self.counter_names}
         self.samples.append(GaugeSample(self.now(), usage, write, read, counters))
 
