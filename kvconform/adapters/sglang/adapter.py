@@ -42,6 +42,7 @@ INPROCESS_CAPABILITIES = frozenset(
         C.FORCED_EVICTION,
         C.HOST_MEMORY,
         C.KV_EVENTS,
+        C.CACHE_SALT,  # Req(cache_salt=...) through the scheduler's admit/release path
         C.PAGE_INDEX,
         C.TRANSFER_ACCOUNTING,
         C.RADIX_CACHE_MODEL,
@@ -159,6 +160,10 @@ class SglangAdapter(EngineAdapter):
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         result = self.call("insert", token_ids=tokens)  # match, lock, allocate, release_kv_cache
+        return ServedPrompt(len(tokens), int(result["prefix_len"]), [])
+
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        result = self.call("insert", token_ids=tokens, cache_salt=salt)
         return ServedPrompt(len(tokens), int(result["prefix_len"]), [])
 
     def metrics(self) -> MetricSnapshot:
