@@ -32,9 +32,13 @@ def test_a_vllm_killed_before_unregistering_reads_as_registered(tmp_path: Path) 
         assert adapter.reclaim_probe()["server_registered_instances"].value == 1  # vLLM serving
         assert adapter.server is not None
         pids = adapter.server.pids()
-        for pid in pids:  # vLLM's whole tree at once, as a node failure would: no unregister
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        # vLLM's whole tree at once, as a node failure would: no unregister. Stopped first, so
+        # none runs between two kills (a worker that outlived its engine core by a moment, on a
+        # loaded runner, noticed "Parent process exited" and unregistered cleanly).
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)[1]
         assert not alive, f"vLLM processes survived SIGKILL: {alive}"
         left = adapter.reclaim_probe()["server_registered_instances"].value

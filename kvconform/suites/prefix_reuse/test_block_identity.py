@@ -14,23 +14,15 @@ import pytest
 
 from kvconform.contract import Capability as C
 from kvconform.contract import EngineAdapter, EngineConfig
-from kvconform.events import KvEvent
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.announced import stored_while
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.KV_EVENTS, C.RESTART)
 
 
-def _stored(events: list[KvEvent]) -> set[str]:
-    return {h for e in events if e.kind == "stored" for h in e.block_hashes}
-
-
 def _stored_by_prompt(engine: EngineAdapter, prompt: list[int]) -> set[str]:
-    engine.drain_events()
-    mark = engine.ledger.mark()
-    engine.serve_prompt(prompt)
-    engine.drain_events()
-    return _stored(engine.ledger.since(mark))
+    return stored_while(engine, lambda: engine.serve_prompt(prompt))[1]
 
 
 def test_block_hashes_stable_across_restart(

@@ -19,17 +19,13 @@ from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.announced import stored_while
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.KV_EVENTS, C.CACHE_SALT)
 
 
 def _served_and_stored(engine: EngineAdapter, prompt: list[int], salt: str) -> tuple[ServedPrompt, set[str]]:
-    engine.drain_events()
-    mark = engine.ledger.mark()
-    served = engine.serve_salted(prompt, salt)
-    engine.drain_events()
-    stored = {h for e in engine.ledger.since(mark) if e.kind == "stored" for h in e.block_hashes}
-    return served, stored
+    return stored_while(engine, lambda: engine.serve_salted(prompt, salt))
 
 
 def test_cache_salt_isolates_prefix_and_event_hashes(
