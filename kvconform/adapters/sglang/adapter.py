@@ -159,10 +159,13 @@ class SglangAdapter(EngineAdapter):
 
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        result = self.call("insert", token_ids=tokens)  # match, lock, allocate, release_kv_cache
-        return ServedPrompt(len(tokens), int(result["prefix_len"]), [])
+        return self._serve(tokens, None)
 
     def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        return self._serve(tokens, salt)
+
+    def _serve(self, tokens: list[int], salt: str | None) -> ServedPrompt:
+        # match, lock, allocate, release_kv_cache: one request's life, under its salt if any
         result = self.call("insert", token_ids=tokens, cache_salt=salt)
         return ServedPrompt(len(tokens), int(result["prefix_len"]), [])
 

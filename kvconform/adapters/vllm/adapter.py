@@ -418,9 +418,8 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         if config.persistent:
             raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
         if config.offload:
-            self.offload_args(
-                config.offload_store_threshold
-            )  # NotImplementedError now, before a server starts
+            # NotImplementedError now, before a server starts
+            self.offload_args(config.offload_store_threshold)
             self._write_fail_stores_file(config.fail_stores)
         port = free_port()
         events, replay = self.open_event_subscriber()

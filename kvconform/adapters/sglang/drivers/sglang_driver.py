@@ -379,7 +379,6 @@ def _require_cache_api() -> None:
 def _session() -> _CacheSession:
     if _S is None:
         _require_cache_api()
-    if _S is None:
         raise RuntimeError("no cache: call new_cache first")
     return _S
 
