@@ -72,7 +72,7 @@ def add_options(parser: pytest.Parser) -> None:
         type=float,
         default=None,
         metavar="B",
-        help="final-delta bound vs baseline (default: per measure, see README)",
+        help="final-delta bound vs baseline (default: per measure, see docs/memory-bounds.md)",
     )
     group.addoption(
         "--results-dir",

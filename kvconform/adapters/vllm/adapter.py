@@ -67,7 +67,7 @@ def check(argv):
 # two CPU hogs the kill won in 2 of 3 churn cycles and the LMCache server kept the instance until
 # its 120 s reaper ("force killing remaining process EngineCore" logged in the millisecond of
 # "Unregistering kv caches"); unloaded, the UNREGISTER wins. A race is no verdict: a restart is
-# judged as a stop that is given time, and the default's race is recorded in the README.
+# judged as a stop that is given time, and the default's race is recorded in docs/findings.md.
 SHUTDOWN_GRACE_S = 10
 
 

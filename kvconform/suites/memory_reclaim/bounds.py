@@ -1,4 +1,4 @@
-"""Bounds of the memory verdicts (defaults justified in the README, overridable by options).
+"""Bounds of the memory verdicts (defaults justified in docs/memory-bounds.md, overridable by options).
 
 Exact measures (mapped/leftover bytes, per-process GPU memory) move only when memory really
 is held, so both the final delta and the leak slope are bounded by half a KV block: a leak
