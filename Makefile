@@ -47,6 +47,7 @@ test: lint
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 
 selftest: selftest-harness selftest-engines
 

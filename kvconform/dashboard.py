@@ -176,6 +176,7 @@ def skipped_cell(engine: str, check: str, record: dict[str, Any]) -> Cell:
     if kind not in _EMPTY_KIND:  # no inventory, or missing in this mode only (attach)
         return Cell(engine, check, "skip", f"skip: lacks {cap}")
     state, label = _EMPTY_KIND[kind]
+    assert inv is not None  # kind is HAS without one
     cells = [inv.cells[c] for c in missing if c in inv.cells and inv.cells[c].status == kind]
     named = ", ".join(c.capability.value for c in cells) or cap
     detail = "; ".join(f"{c.capability}: {c.note} ({c.source})" for c in cells)

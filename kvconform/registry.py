@@ -9,8 +9,12 @@ import importlib
 from importlib.metadata import entry_points
 from importlib.resources import files
 from importlib.resources.abc import Traversable
+from typing import TYPE_CHECKING
 
 from kvconform.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvconform.contract import EngineAdapter
 
 ENTRY_POINT_GROUP = "kvconform.adapters"
 
@@ -64,11 +68,11 @@ def target_of(name: str) -> str:
     return target
 
 
-def adapter_class(name: str) -> type:
+def adapter_class(name: str) -> type[EngineAdapter]:
     return load_target(name, target_of(name))
 
 
-def load_target(name: str, target: str) -> type:
+def load_target(name: str, target: str) -> type[EngineAdapter]:
     module_name, class_name = _check_target(name, target)
     try:
         module = importlib.import_module(module_name)

@@ -62,14 +62,14 @@ def run(engine: str, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, env: str |
     entry = find(engine, name, built.version)
     assert entry.repro is not None  # a defect always has one (findings._check_class_fields)
     python = built.python
-    env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    env.pop("PYTHONPATH", None)  # nothing of ours on its path
+    child_env = dict(os.environ, PATH=f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    child_env.pop("PYTHONPATH", None)  # nothing of ours on its path
     print(f"[repro] {engine} {entry.version}: {entry.summary}", flush=True)
     print(f"[repro] {python} {entry.repro}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvconform-repro-") as workdir:
         try:
             done = subprocess.run(
-                [str(python), str(entry.repro)], cwd=workdir, env=env, timeout=timeout_s, check=False
+                [str(python), str(entry.repro)], cwd=workdir, env=child_env, timeout=timeout_s, check=False
             )
         except subprocess.TimeoutExpired:
             print(f"[repro] {entry.repro.name} did not finish in {timeout_s:.0f} s", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Self
 
 
 class PeriodicSampler:
@@ -32,7 +33,7 @@ class PeriodicSampler:
         """Seconds since the sampler was created (the time axis of its series)."""
         return time.monotonic() - self._t0
 
-    def __enter__(self) -> PeriodicSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -117,6 +117,6 @@ def summed(ledgers: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, fl
     for ledger in ledgers:
         for engine, entry in ledger.items():
             total[engine] = total.get(engine, EngineTime()).plus(
-                EngineTime(**{k: v for k, v in entry.items() if k in known})
+                EngineTime(**{k: v for k, v in entry.items() if k in known})  # type: ignore[arg-type]  # counts are ints
             )
     return {engine: entry.as_dict() for engine, entry in total.items()}

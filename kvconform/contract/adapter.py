@@ -58,7 +58,7 @@ class EngineAdapter(ABC):
             Capability.LONG_SESSION,
         }
     )
-    default_block_size: ClassVar[int] = 16
+    default_block_size: int = 16  # a launch profile may set an instance's own
     # Serving engines compute at least the last prompt token, so a fully cached prompt hits
     # one block less; pure cache stores return every stored block.
     recomputes_last_token: ClassVar[bool | LastToken] = True
@@ -66,7 +66,7 @@ class EngineAdapter(ABC):
     metric_names: ClassVar[dict[str, str]] = {}
     # Logical counters the engine exports only after their first event (absent reads 0).
     lazy_counters: ClassVar[frozenset[str]] = frozenset()
-    model: ClassVar[ModelShape] = ModelShape()
+    model: ModelShape = ModelShape()  # a launch profile may set an instance's own
     workers: ClassVar[int] = 1  # serving workers behind the endpoint (a router spreads requests)
     # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
     # it (an engine that publishes gauges only per batch and on an idle timer).
@@ -313,7 +313,7 @@ class EngineAdapter(ABC):
             labels.setdefault(key.strip(), value.strip().strip('"'))
         if logical in self.lazy_counters and not snapshot.has(name):
             return 0.0  # a counter the engine creates on first use: absent means 0
-        return snapshot.value(name, **labels)
+        return snapshot.value(name, None, **labels)
 
     def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
         return self.metric(logical, after) - self.metric(logical, before)
@@ -383,6 +383,10 @@ class EngineAdapter(ABC):
 
     def kv_pool_bytes(self) -> int:
         """Bytes of the device KV pool the suite configured."""
+        raise NotImplementedError
+
+    def l1_capacity_bytes(self) -> int:
+        """Bytes of the first cache tier (TIERED_STORE_METRICS) the suite configured."""
         raise NotImplementedError
 
     def cache_capacity_tokens(self) -> int:

@@ -79,7 +79,7 @@ class ZmqEventSubscriber:
         self.seen: set[int] = set()
         self.live_seen: set[int] = set()
         self._live_max = -1
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+import pluggy
 import pytest
 
 from kvconform import findings, report, timing
@@ -65,7 +66,9 @@ class Recording:
 
     @staticmethod
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    def pytest_runtest_makereport(
+        item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
         outcome = yield
         rep: pytest.TestReport = outcome.get_result()
         verdict = item.stash.get(verdict_key, None)
@@ -89,7 +92,7 @@ class Recording:
                 "engine": name or "-",
                 "engine_version": adapter.version if adapter else "-",
                 "measures": (verdict.as_dict()["measures"] if verdict else [])
-                + (adapter.take_notes() if hasattr(adapter, "take_notes") else []),  # a relaunch
+                + (adapter.take_notes() if adapter is not None else []),  # a relaunch
                 "violated": [m.name for m in verdict.failures] if verdict else [],
             }
             if item.stash.get(_inconclusive_key, False):
@@ -178,7 +181,7 @@ class RecordCollector:
             state["message"] = state["message"] or _short_message(report)
         elif report.when == "call" and hasattr(report, "wasxfail"):
             state["outcome"] = "xpassed"
-        payload = next((json.loads(v) for k, v in report.user_properties if k == RECORD_KEY), None)
+        payload = next((json.loads(str(v)) for k, v in report.user_properties if k == RECORD_KEY), None)
         if payload is None:
             if report.when != "???":  # only the final phase of a test carries the record
                 return

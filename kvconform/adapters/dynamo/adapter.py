@@ -44,7 +44,7 @@ class DynamoAdapter(EngineAdapter):
     name = "dynamo"
     env_spec = "dynamo"
     default_block_size = 16
-    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     workers: ClassVar[int] = WORKERS
     capabilities = frozenset(
         {

@@ -68,7 +68,7 @@ class LmcacheAdapter(EngineAdapter):
     default_block_size = 256  # LMCache's chunk size
     recomputes_last_token = False  # a cache store returns every stored chunk
     eviction_period_s = L1_EVICTION_PERIOD_S
-    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,

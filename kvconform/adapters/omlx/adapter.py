@@ -110,7 +110,7 @@ class OmlxAdapter(EngineAdapter):
     # by one token to compute the last (omlx/scheduler.py, _trim_prompt_cache_for_generation),
     # where a block-granular cache drops the whole last block.
     recomputes_last_token = LastToken.TOKEN
-    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
+    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,

@@ -45,7 +45,7 @@ class ReferenceAdapter(EngineAdapter):
     env_spec = None
     pytest_options = ("fault",)  # --fault, added by kvconform.adapters.reference.options
     default_block_size = 16
-    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,

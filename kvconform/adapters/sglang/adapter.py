@@ -24,7 +24,7 @@ from kvconform.contract import (
     TransferResult,
 )
 from kvconform.errors import EngineError, UsageError
-from kvconform.events import EventLedger, KvEvent, hash_text
+from kvconform.events import EventLedger, Kind, KvEvent, hash_text
 from kvconform.kit.drivers import DriverProcess
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.processes import TeardownReport
@@ -61,11 +61,18 @@ RELEASE_GUARD_GAP = (
 )
 
 
+_EVENT_KINDS: dict[str, Kind] = {
+    "BlockStored": "stored",
+    "BlockRemoved": "removed",
+    "AllBlocksCleared": "cleared",
+}
+
+
 class SglangAdapter(EngineAdapter):
     name = "sglang"
     env_spec = "sglang"
     default_block_size = 16  # SGLang's page size
-    model: ClassVar[ModelShape] = MODEL
+    model: ModelShape = MODEL
     capabilities = INPROCESS_CAPABILITIES
     transfer_layouts: ClassVar[tuple[str, ...]] = ("mha", "mla", "mla_state")
     transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16)
@@ -193,9 +200,7 @@ class SglangAdapter(EngineAdapter):
         events = self.call("take_events", dynamo_format=False)
         batch = []
         for raw in events:
-            kind = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}[
-                raw["type"]
-            ]
+            kind: Kind = _EVENT_KINDS[raw["type"]]
             parent = raw.get("parent_block_hash")
             batch.append(
                 KvEvent(

@@ -150,7 +150,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     name = "sglang-server"
     env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE
-    model: ClassVar[ModelShape] = MODEL
+    model: ModelShape = MODEL
     capabilities = SERVER_CAPABILITIES
     metric_names: ClassVar[dict[str, str]] = SERVER_METRICS
     # sglang:token_usage is set per batch report; idle, the scheduler republishes it only when

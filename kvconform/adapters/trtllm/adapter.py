@@ -459,7 +459,7 @@ class TrtllmAdapter(EngineAdapter):
             return f"TensorRT-LLM {version} (not a known release: read as 1.2)"
         return f"TensorRT-LLM {version}"
 
-    @property  # type: ignore[override]  # per instance: the release decides
+    @property  # per instance: the release decides
     def metric_names(self) -> dict[str, str]:  # type: ignore[override]
         return dict(self.release().metric_names)
 
@@ -490,7 +490,7 @@ class TrtllmAdapter(EngineAdapter):
                 f"/prometheus/metrics lacks {name} (logical {logical!r}), which {self.release_label()} "
                 f"exports (tensorrt_llm/metrics/collector.py); have: {', '.join(snapshot.names()[:12])}",
             )
-        return snapshot.value(name, **labels)
+        return snapshot.value(name, None, **labels)
 
     def reads_perf_metrics(self) -> bool:
         """/perf_metrics has records only when perf_metrics_max_requests > 0 (default 0,

@@ -75,7 +75,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     name = "vllm"
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
-    model: ClassVar[ModelShape] = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,

@@ -386,7 +386,7 @@ class ReferenceEngine:
             pages.append(page)
         return pages
 
-    def transfer_plan(self, layout: str, page_size: int, destinations: int) -> dict[str, int]:
+    def transfer_plan(self, layout: str, page_size: int, destinations: int) -> dict[str, Any]:
         """Bytes per page and per state, and how many copies each destination rank needs."""
         s = self.s
         if layout == "mha":

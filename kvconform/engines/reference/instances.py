@@ -159,6 +159,7 @@ class InstanceRegistry:
                     n = min(chunk.numel(), flat.numel() - offset)
                     flat[offset : offset + n] = chunk[:n]
                 return imported.nbytes
+            assert imported.mapping is not None  # a CPU import maps the file
             for offset in range(0, imported.nbytes, len(payload)):
                 n = min(len(payload), imported.nbytes - offset)
                 imported.mapping[offset : offset + n] = payload[:n]
@@ -277,13 +278,14 @@ class LocalEngine:
         self.engine_id = engine_id
         self.nbytes = nbytes
         self._memory = mmap.mmap(-1, nbytes)
-        self.kv = torch.frombuffer(self._memory, dtype=torch.uint8)
+        self.kv: torch.Tensor | None = torch.frombuffer(self._memory, dtype=torch.uint8)
         self.stored_tokens = 0
 
     def store(self, payload: bytes, tokens: int) -> int:
         import torch
 
         chunk = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        assert self.kv is not None, "store after close"
         for offset in range(0, self.nbytes, chunk.numel()):
             n = min(chunk.numel(), self.nbytes - offset)
             self.kv[offset : offset + n] = chunk[:n]

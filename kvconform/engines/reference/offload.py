@@ -62,7 +62,7 @@ class HostTier:
         """Called with the lock held: a transfer entered (+1) or left (-1) the worker."""
         self._in_flight[0] += stores
         self._in_flight[1] += loads
-        self.transfer_log.append((time.monotonic(), *self._in_flight))
+        self.transfer_log.append((time.monotonic(), self._in_flight[0], self._in_flight[1]))
 
     def _bytes_counted(self) -> int:
         # The fault counts 2-byte (bf16) elements as 4-byte ones.

@@ -26,7 +26,7 @@ class EventPublisher:
         self.batches_sent = 0
         self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=10_000)
         self.lock = threading.Lock()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub = None
         self.replay = None
         self._closing = threading.Event()

@@ -49,7 +49,7 @@ def judge_against_transfers(engine: EngineAdapter, sampler: GaugeSampler, verdic
         return
     for gauge, kind, column in (("write", "store", 1), ("read", "load", 2)):
         resolved = 2 * sampler.interval_s  # what scrapes at the sampler's rate can resolve
-        windows = in_flight_windows([(row[0], row[column]) for row in log], sampler.origin, resolved)
+        windows = in_flight_windows([(row[0], int(row[column])) for row in log], sampler.origin, resolved)
         points = [(s.t, getattr(s, gauge)) for s in sampler.samples]
         phantom, unseen = gauge_vs_transfers(points, windows, TRANSFER_SLACK_S, resolved)
         verdict.record(

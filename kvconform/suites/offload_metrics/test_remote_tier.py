@@ -20,7 +20,7 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, seconds_until_steady
+from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt, seconds_until_steady
 from kvconform.errors import EngineError
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -144,7 +144,7 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
     engine.flush_persistent()
     report = engine.remote_down()
     verdict.expect("remote_teardown_leftovers", int(not report.clean), "==", 0, note=report.describe())
-    outcomes = {}
+    outcomes: dict[str, tuple[str, ServedPrompt | str]] = {}
     for label, tokens in (("fresh", prompts.fresh(4 * block + 1)), ("stored", stored)):
         t0 = time.monotonic()
         try:
@@ -160,8 +160,8 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
             "s",
             note=f"{outcomes[label][0]}: a lost remote tier must not hang a request",
         )
-    kind, got = outcomes["stored"]
-    if kind == "served":
+    _, got = outcomes["stored"]
+    if isinstance(got, ServedPrompt):
         verdict.equal(
             "stored_prompt_hits",
             got.cached_tokens,

@@ -108,7 +108,7 @@ def tree_apply(events: list[dict[str, Any]], tree: str = "default") -> dict[str,
     ValueError for an unknown parent or an unknown removed block and leaves the tree as it
     was; each event's outcome is reported."""
     radix = _tree(tree)
-    results = []
+    results: list[dict[str, Any]] = []
     for index, event in enumerate(events):
         try:
             payload = _to_dynamo_event(event, index)
@@ -230,7 +230,7 @@ def _engine_config(engine_args: dict[str, Any], role: str) -> dict[str, Any]:
     return mocker_config.build_mocker_engine_args(parse_args(argv))
 
 
-def _route(history: list[dict[str, Any]], pools: tuple[str, ...]) -> dict[str, Any] | None:
+def _route(history: list[dict[str, Any]] | None, pools: tuple[str, ...]) -> dict[str, Any] | None:
     for entry in history or []:
         if entry.get("pool") in pools:
             return entry

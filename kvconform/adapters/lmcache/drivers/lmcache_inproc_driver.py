@@ -105,6 +105,19 @@ def _make_connector(num_layers: int, hidden: int, num_slots: int, dtype: Any):
 
 
 class _Engine:
+    # What create() built (passed as keywords).
+    engine_id: str
+    engine: Any  # LMCacheEngine
+    connector: Any
+    config: Any  # LMCacheEngineConfig
+    chunk_size: int
+    num_layers: int
+    hidden: int
+    num_slots: int
+    dtype: Any  # a torch dtype
+    data_salt: str
+    disk_dir: str | None
+
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
         self.next_slot = 0

@@ -119,6 +119,28 @@ def _chunk_size() -> int:
 
 
 class _Instance:
+    # What register() resolved for the instance (passed as keywords).
+    instance_id: int
+    model_name: str
+    world_size: int
+    worker_id: int
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_heads: int
+    head_size: int
+    dtype: Any  # a torch dtype
+    chunk_size: int
+    blocks_in_chunk: int
+    layer_names: list[str]
+    kv: dict[str, Any]  # layer name -> torch tensor
+    tctx: Any  # LMCache's transfer context; None once unregistered
+    shm_names: list[str]
+    shm_bytes: int
+    tensor_bytes: int
+    heartbeat_s: float
+    data_salt: str
+
     def __init__(self, **kw: Any) -> None:
         self.__dict__.update(kw)
         self.next_block = 1  # block 0 is the server's null block id (default 0)
@@ -692,8 +714,11 @@ def _http_json(path: str, method: str = "GET") -> Any:
     import json
     import urllib.request
 
+    base = _http_url()
+    if base is None:
+        raise RuntimeError(f"LMCache server's HTTP URL unknown: cannot GET {path}")
     req = urllib.request.Request(
-        _http_url().rstrip("/") + path, method=method, data=b"" if method == "POST" else None
+        base.rstrip("/") + path, method=method, data=b"" if method == "POST" else None
     )
     with urllib.request.urlopen(req, timeout=RPC_TIMEOUT_S) as resp:
         return json.loads(resp.read().decode())

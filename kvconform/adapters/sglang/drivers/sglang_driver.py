@@ -829,7 +829,7 @@ def op_transfer_sender_new(manager: int, bootstrap_room: int, num_pages: int) ->
     mgr = _MANAGERS[int(manager)]
     sender_class = _sender_class()
     kwargs = {}
-    if "dest_tp_ranks" in inspect.signature(sender_class.__init__).parameters:
+    if "dest_tp_ranks" in inspect.signature(sender_class).parameters:
         # 0.5.15.post1: the prefill bootstrap queue passes its own rank (disaggregation/prefill.py)
         kwargs = {"dest_tp_ranks": [0], "pp_rank": 0}
     sender = sender_class(mgr, "127.0.0.1:0", int(bootstrap_room), **kwargs)

@@ -85,7 +85,7 @@ class FailableStoreManager(CPUOffloadingManager):
         self._kvc_failed_chunks = 0
 
     def _stores_should_fail(self) -> bool:
-        return bool(self._kvc_fail_file) and os.path.exists(self._kvc_fail_file)
+        return self._kvc_fail_file is not None and os.path.exists(self._kvc_fail_file)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -272,6 +272,8 @@ class HostCopyWorker(OffloadingWorker):
 
 class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPUOffloadingSpec with a host-copy worker and failable stores."""
+
+    _worker: OffloadingWorker | None  # vLLM's CPUOffloadingSpec.__init__ sets it to None
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -71,7 +71,7 @@ class _StandinSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__getattr__ = _module_getattr(spec.name)  # type: ignore[attr-defined]
+        module.__getattr__ = _module_getattr(spec.name)
         return module
 
     def exec_module(self, module) -> None:
