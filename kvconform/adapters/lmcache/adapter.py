@@ -535,8 +535,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     Redis is a second process of the stack: started with the first LMCache launch, kept across
     LMCache restarts (that is the point of a remote tier), stopped and audited in close(). The
     L2 tier is Redis in every config (this engine *is* LMCache-with-Redis), with LMCache's own
-    L2 eviction (LRU) at REDIS_L2_CAPACITY_BYTES. Checks that never touch L2 run on `lmcache`;
-    this engine declares only the capabilities whose checks exercise the remote tier.
+    L2 eviction (LRU) at REDIS_L2_CAPACITY_BYTES.
     """
 
     name = "lmcache-redis"
@@ -548,8 +547,17 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             C.PERSISTENT_PREFIX,
             C.TIERED_STORE_METRICS,
             C.REMOTE_TIER,
+            # with Redis attached, every instance's stores also go to L2: churn and long
+            # sessions are judged on this deployment too, not only on L1-and-disk `lmcache`
+            C.HOST_MEMORY,
+            C.INSTANCE_CHURN,
+            C.INSTANCE_REGISTRY,
+            C.LONG_SESSION,
         }
     )
+    # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process
+    # engine, which has no Redis here (its fs-L2 churn is judged on `lmcache`).
+    churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close")
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
