@@ -58,6 +58,7 @@ from kvconform.contract import (
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.server import LaunchedServer
+from kvconform.memory import MemoryMeasure, sample_processes
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
@@ -91,6 +92,7 @@ RUNTIME_CACHE_KEYS = (
     "hot_cache_max_bytes",
     "hot_cache_entries",
 )
+UNLOAD = "unload"  # POST /admin/api/models/{id}/unload (omlx/admin/routes.py:1918)
 SECRET_SETTINGS = ("api_key", "secret_key")  # in settings.json "auth"; redacted on disk
 
 
@@ -123,8 +125,13 @@ class OmlxAdapter(EngineAdapter):
             C.FORCED_EVICTION,
             C.HOST_MEMORY,
             C.LONG_SESSION,
+            C.INSTANCE_CHURN,
+            C.INSTANCE_REGISTRY,
         }
     )
+    # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
+    # "unregister" path, an instance released from an engine that keeps running.
+    churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
     # Attached, the SSD tier's size is not ours to know: eviction needs launch mode.
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {C.FORCED_EVICTION}
     metric_names: ClassVar[dict[str, str]] = {
@@ -576,6 +583,53 @@ class OmlxAdapter(EngineAdapter):
     def flush_persistent(self, timeout_s: float = 20.0, quiet_s: float = 1.5) -> None:
         """SSD writes are asynchronous: wait until the tier's file set stops changing."""
         self._wait_files_still(timeout_s, quiet_s, nonempty=True)
+
+    # ---- instance churn: load, serve, unload a model of the engine pool ------------------
+    def _model_action(self, action: str) -> requests.Response:
+        """POST /admin/api/models/{id}/load|unload (omlx/admin/routes.py:1918, :1970)."""
+        return self._admin_request("POST", f"/models/{self.model_name()}/{action}")
+
+    def _load_serve_unload(self, tokens: list[int]) -> requests.Response:
+        loaded = self._model_action("load")
+        if loaded.status_code != 200:
+            raise EngineError(
+                self.name, f"load {self.model_name()} -> HTTP {loaded.status_code}: {loaded.text[:200]}"
+            )
+        for shift in range(3):
+            self.serve_prompt(tokens[: len(tokens) - shift])
+        return self._model_action(UNLOAD)
+
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+        if path not in self.churn_paths:
+            raise NotImplementedError(f"engine {self.name} has no release path {path!r}")
+        self.ensure(self.config or EngineConfig())
+        unloaded = self._load_serve_unload(tokens)
+        if unloaded.status_code != 200:
+            raise EngineError(self.name, f"unload -> HTTP {unloaded.status_code}: {unloaded.text[:200]}")
+        return {"unload": unloaded.json().get("message")}
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """The pool's own count of loaded model bytes (exact: 0 with no model loaded, whatever
+        the allocator does; omlx/engine_pool.py _current_model_memory, /api/status), and the
+        server's RSS (MLX arrays freed on unload, engine_pool.py _unload_engine)."""
+        status = self.get_json("/api/status")
+        if not isinstance(status, dict) or "model_memory_used" not in status:
+            raise EngineError(self.name, f"/api/status lacks model_memory_used: {str(status)[:200]}")
+        return {
+            "pool_model_memory_bytes": MemoryMeasure(float(status["model_memory_used"]), exact=True),
+            "server_rss_bytes": MemoryMeasure(sample_processes(self.engine_pids()).rss, exact=False),
+        }
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        """Unload twice: oMLX answers the second with 400 "Model not loaded" (routes.py:1931)."""
+        first = self._load_serve_unload(tokens)
+        second = self._model_action(UNLOAD)
+        return {
+            "first_released": first.status_code == 200,
+            "second_refused_cleanly": second.status_code == 400 and "not loaded" in second.text.lower(),
+            "detail": f"first: HTTP {first.status_code}; second: HTTP {second.status_code} "
+            f"{second.text[:200]}",
+        }
 
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:
