@@ -51,6 +51,8 @@ def test_capabilities_attach_vs_launch(tmp_path: Path) -> None:
         C.FORCED_EVICTION,
         C.HOST_MEMORY,
         C.LONG_SESSION,
+        C.INSTANCE_CHURN,
+        C.INSTANCE_REGISTRY,
     }
     assert launch_only <= launched.effective_capabilities()
     assert attached.effective_capabilities() == frozenset(

@@ -132,8 +132,13 @@ class OmlxAdapter(EngineAdapter):
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
     # "unregister" path, an instance released from an engine that keeps running.
     churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
-    # Attached, the SSD tier's size is not ours to know: eviction needs launch mode.
-    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {C.FORCED_EVICTION}
+    # Attached, the SSD tier's size is not ours to know (eviction needs launch mode), and the
+    # models are a team's own: the suite never unloads them.
+    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
+        C.FORCED_EVICTION,
+        C.INSTANCE_CHURN,
+        C.INSTANCE_REGISTRY,
+    }
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "omlx_total_prompt_tokens",
         "prefix_hits": "omlx_total_cached_tokens",
