@@ -134,17 +134,15 @@ def generate(
         if any(report.iterdir()) and not (report / "index.html").exists():
             raise UsageError(f"{report} is not empty and holds no report: refusing to overwrite it")
         shutil.rmtree(report)
-    data = (
-        dashboard.load(results_dir) if results_dir and Path(results_dir, "results.json").is_file() else None
-    )
+    run = dashboard.load(results_dir) if results_dir and Path(results_dir, "results.json").is_file() else None
     node = _node()
     cli = allure_cli()
     with tempfile.TemporaryDirectory(prefix="kvconform-allure-") as tmp:
         organised = Path(tmp) / "results"
-        info = kvreport.organise_results(results, organised, data, dashboard_html, kills, proofs)
+        info = kvreport.organise_results(results, organised, run, dashboard_html, kills, proofs)
         name = REPORT_NAME
-        if data is not None:
-            engines = ", ".join(sorted((data.get("session") or {}).get("engines") or {}))
+        if run is not None:
+            engines = ", ".join(sorted(run.session.get("engines") or {}))
             name = f"{REPORT_NAME}: {info['headline']}" + (f" ({engines})" if engines else "")
         if gate is not None:
             name += f" · gate {'PASS' if gate.passed else 'FAIL'}"

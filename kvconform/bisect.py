@@ -46,6 +46,7 @@ from typing import Any
 from kvconform import gate
 from kvconform.errors import UsageError
 from kvconform.formatting import md_cell, value_text
+from kvconform.records import CheckResult
 
 # gate rows that are not a change of verdict: a check failing in both on the same measures
 # (failed on a release without a manifest entry, xfailed on one with it).
@@ -234,10 +235,10 @@ def spec_versions(engine: str) -> list[str]:
 # ------------------------------------------------------------------------------------- judging
 
 
-def _measure_values(rec: dict[str, Any] | None) -> dict[str, Any]:
+def _measure_values(rec: CheckResult | None) -> dict[str, Any]:
     if rec is None:
         return {}
-    return {name: m.get("value") for name, m in gate._measures_by_name(rec).items()}
+    return {name: m.value for name, m in rec.measures_by_name().items()}
 
 
 def compare_steps(before: Step, after: Step) -> Change | None:
@@ -265,10 +266,10 @@ def compare_steps(before: Step, after: Step) -> Change | None:
     return Change(before.version, after.version, rows, measures)
 
 
-def _unmeasured_failure(rec: dict[str, Any] | None) -> str:
-    if rec is None or rec.get("outcome") not in gate.FAILING or rec.get("measures"):
+def _unmeasured_failure(rec: CheckResult | None) -> str:
+    if rec is None or rec.outcome not in gate.FAILING or rec.measures:
         return ""
-    lines = [ln.strip() for ln in str(rec.get("message") or "").splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in rec.message.splitlines() if ln.strip()]
     line = next((ln for ln in lines if "Error" in ln or "error" in ln), lines[0] if lines else "")
     return line if len(line) <= 200 else line[:197] + "..."
 
@@ -306,7 +307,7 @@ def _outcomes(step: Step) -> str:
         return f"not judged: {step.error}"
     counts: dict[str, int] = {}
     for rec in step.results.records.values():
-        counts[str(rec.get("outcome"))] = counts.get(str(rec.get("outcome")), 0) + 1
+        counts[rec.outcome] = counts.get(rec.outcome, 0) + 1
     return ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
 
 

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import functools
 import html
-import json
 import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvconform import inventory
 from kvconform.checkids import base_check
 from kvconform.contract.capabilities import Capability
 from kvconform.errors import KvconformError, UsageError
 from kvconform.formatting import md_cell, value_text
+from kvconform.records import CheckResult, RecordsError, Run, read
+from kvconform.results import Measure
 
 MARKDOWN_NAME = "dashboard.md"
 HTML_NAME = "dashboard.html"
@@ -76,27 +76,23 @@ def finding_link(finding: str) -> str:
     return match.group("url") if match else ""
 
 
-def skip_reason(record: dict[str, Any]) -> str:
-    text = (record.get("message") or "").strip()
+def skip_reason(record: CheckResult) -> str:
+    text = record.message.strip()
     text = text.removeprefix("Skipped: ").strip()
     return (text.splitlines() or [""])[0]
 
 
-def lacked_capability(record: dict[str, Any]) -> str:
+def lacked_capability(record: CheckResult) -> str:
     """The capability a skipped record's engine lacks ("" if it was skipped for another reason)."""
     match = _LACKS.match(skip_reason(record))
     return match.group("cap") if match else ""
 
 
-def violated(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return [m for m in record.get("measures") or [] if m.get("ok") is False]
-
-
-def describe_measure(m: dict[str, Any]) -> str:
-    unit = f" {m['unit']}" if m.get("unit") else ""
-    text = f"{m.get('name')} = {value_text(m.get('value'), max_len=60)}{unit}"
-    if m.get("op") is not None:
-        text += f" (expected {m['op']} {value_text(m.get('bound'), max_len=60)}{unit})"
+def describe_measure(m: Measure) -> str:
+    unit = f" {m.unit}" if m.unit else ""
+    text = f"{m.name} = {value_text(m.value, max_len=60)}{unit}"
+    if m.op is not None:
+        text += f" (expected {m.op} {value_text(m.bound, max_len=60)}{unit})"
     return text
 
 
@@ -105,17 +101,17 @@ def first_line(text: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def is_finding(record: dict[str, Any]) -> bool:
-    return record.get("outcome") == "xfailed"
+def is_finding(record: CheckResult) -> bool:
+    return record.outcome == "xfailed"
 
 
-def finding_class(record: dict[str, Any]) -> str:
+def finding_class(record: CheckResult) -> str:
     """A finding's class (kvconform.findings.CLASSES); "unclassified" for records before classes."""
-    return str(record.get("finding_class") or "unclassified")
+    return record.finding_class or "unclassified"
 
 
-def is_new_failure(record: dict[str, Any]) -> bool:
-    return record.get("outcome") in ("failed", "error")
+def is_new_failure(record: CheckResult) -> bool:
+    return record.outcome in ("failed", "error")
 
 
 @dataclass
@@ -128,32 +124,28 @@ class Cell:
     link: str = ""
 
 
-def cell_of(record: dict[str, Any]) -> Cell:
-    engine, check = record.get("engine", "-"), record.get("check", "?")
-    outcome = record.get("outcome", "?")
-    bad = violated(record)
-    measures = "; ".join(describe_measure(m) for m in bad)
+def cell_of(record: CheckResult) -> Cell:
+    engine, check, outcome = record.engine, record.check, record.outcome
+    measures = "; ".join(describe_measure(m) for m in record.violated_measures)
     if outcome in PASSING:
         return Cell(engine, check, "pass", "pass" if outcome == "passed" else "pass (XPASS)")
     if outcome == "xfailed":
-        finding = record.get("finding") or ""
+        finding = record.finding
         return Cell(
             engine,
             check,
             "finding",
-            f"{finding_class(record)}: {measures or first_line(record.get('message', ''))}",
+            f"{finding_class(record)}: {measures or first_line(record.message)}",
             first_line(finding, 400),
             finding_link(finding),
         )
     if outcome in ("failed", "error"):
-        what = measures or first_line(record.get("message", ""))
-        detail = first_line(record.get("finding", ""), 400) if record.get("finding") else ""
-        return Cell(
-            engine, check, "failed", f"{outcome}: {what}", detail, finding_link(record.get("finding", ""))
-        )
+        what = measures or first_line(record.message)
+        detail = first_line(record.finding, 400) if record.finding else ""
+        return Cell(engine, check, "failed", f"{outcome}: {what}", detail, finding_link(record.finding))
     if outcome == "skipped":
         return skipped_cell(engine, check, record)
-    return Cell(engine, check, "failed", f"{outcome}: {first_line(record.get('message', ''))}")
+    return Cell(engine, check, "failed", f"{outcome}: {first_line(record.message)}")
 
 
 # the three kinds of empty cell a capability skip is (kvconform.inventory), apart from "skip"
@@ -164,7 +156,7 @@ _EMPTY_KIND = {
 }
 
 
-def skipped_cell(engine: str, check: str, record: dict[str, Any]) -> Cell:
+def skipped_cell(engine: str, check: str, record: CheckResult) -> Cell:
     """A capability skip as the kind of empty cell the engine's inventory says it is: the engine
     lacks the feature (cited), it needs a GPU, or the adapter does not reach it yet."""
     cap = lacked_capability(record)
@@ -205,17 +197,17 @@ class Dashboard:
         return self.cells.get((engine, check)) or Cell(engine, check, "absent", "-")
 
 
-def counts(records: Iterable[dict[str, Any]]) -> dict[str, int]:
+def counts(records: Iterable[CheckResult]) -> dict[str, int]:
     out = {"checks": 0, "passed": 0, "findings": 0, "new_failures": 0, "skipped": 0}
     for r in records:
         out["checks"] += 1
-        if r.get("outcome") in PASSING:
+        if r.outcome in PASSING:
             out["passed"] += 1
         elif is_finding(r):
             out["findings"] += 1
             key = f"findings_{finding_class(r)}"
             out[key] = out.get(key, 0) + 1
-        elif r.get("outcome") == "skipped":
+        elif r.outcome == "skipped":
             out["skipped"] += 1
         else:
             out["new_failures"] += 1
@@ -243,38 +235,34 @@ def _class_order(key: str) -> int:
     return order.index(name) if name in order else len(order)
 
 
-def build(data: dict[str, Any]) -> Dashboard:
-    """From a results.json's content: {"session": {...}, "records": [...]}."""
-    session = data.get("session") or {}
-    records = data.get("records") or []
-    versions = dict(session.get("engines") or {})
+def build(run: Run) -> Dashboard:
+    session, records = run.session, run.records
+    versions = {str(k): str(v) for k, v in (session.get("engines") or {}).items()}
     for r in records:
-        versions.setdefault(r.get("engine", "-"), str(r.get("engine_version", "-")))
-    engines = [e for e in versions if e != "-" and any(r.get("engine") == e for r in records)]
-    engines += sorted({r.get("engine", "-") for r in records} - set(engines))
-    platform = str(
-        session.get("platform") or next((r.get("platform") for r in records if r.get("platform")), "?")
-    )
+        versions.setdefault(r.engine, r.engine_version)
+    engines = [e for e in versions if e != "-" and any(r.engine == e for r in records)]
+    engines += sorted({r.engine for r in records} - set(engines))
+    platform = str(session.get("platform") or next((r.platform for r in records if r.platform), "?"))
     order = {p: i for i, p in enumerate(PROMISES)}
     checks = sorted(
-        {r.get("check", "?") for r in records},
+        {r.check for r in records},
         key=lambda c: (order.get(promise_of(c), len(order)), promise_of(c), c),
     )
     dash = Dashboard(engines, versions, platform, checks, counts=counts(records))
     for r in records:
-        dash.cells[(r.get("engine", "-"), r.get("check", "?"))] = cell_of(r)
+        dash.cells[r.key] = cell_of(r)
     return dash
 
 
-def load(results_dir: str | Path) -> dict[str, Any]:
+def load(results_dir: str | Path) -> Run:
     path = Path(results_dir)
     path = path / "results.json" if path.is_dir() else path
     if not path.is_file():
         raise UsageError(f"no results.json at {path} (a `kvconform run` or pytest --results-dir writes it)")
-    data = json.loads(path.read_text())
-    if isinstance(data, list):
-        data = {"session": {}, "records": data}
-    return data
+    try:
+        return read(path)
+    except RecordsError as exc:
+        raise UsageError(str(exc)) from None
 
 
 _MARK = {

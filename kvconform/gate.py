@@ -33,16 +33,16 @@ distance from the bound is compared; without a bound, any change beyond the tole
 
 from __future__ import annotations
 
-import json
-import math
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvconform.errors import KvconformError
 from kvconform.formatting import md_cell, value_text
-from kvconform.results import load_records
+from kvconform.records import CheckResult, RecordsError, number, read
+from kvconform.results import Measure
 
 FAILING = frozenset({"failed", "error", "inconclusive"})
 # Finding classes (kvconform.findings.CLASSES) whose appearance blocks a release by default; the
@@ -62,8 +62,8 @@ class GateInputError(KvconformError):
 @dataclass
 class Results:
     source: Path
-    session: dict[str, Any]
-    records: dict[Key, dict[str, Any]]
+    session: Mapping[str, Any]
+    records: dict[Key, CheckResult]
     duplicates: int = 0
 
 
@@ -100,49 +100,22 @@ class GateResult:
 
 
 def load(path_text: str) -> Results:
-    path = Path(path_text)
-    if not path.exists():
-        raise GateInputError(f"{path}: no such file or directory")
     try:
-        if path.is_dir():
-            merged = path / "results.json"
-            if merged.is_file():
-                session, raw = _read_results_json(merged)
-            else:
-                raw = load_records(path)
-                session = {}
-                if not raw:
-                    raise GateInputError(f"{path}: no results.json and no records-*.jsonl in this directory")
-        else:
-            session, raw = _read_results_json(path)
-    except json.JSONDecodeError as exc:
-        raise GateInputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GateInputError(f"{path}: cannot read ({exc})") from None
-    if not raw:
-        raise GateInputError(f"{path}: holds no check records (did the run collect any checks?)")
-    records: dict[Key, dict[str, Any]] = {}
+        run = read(path_text)
+    except RecordsError as exc:
+        raise GateInputError(str(exc)) from None
+    if not run.records:
+        raise GateInputError(f"{run.source}: holds no check records (did the run collect any checks?)")
+    records: dict[Key, CheckResult] = {}
     duplicates = 0
-    for i, rec in enumerate(raw):
-        if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("check", "outcome")):
-            raise GateInputError(f"{path}: record {i} lacks a check id or an outcome")
-        key = (str(rec.get("engine", "-")), rec["check"])
-        if key in records:
+    for rec in run.records:
+        if rec.key in records:
             duplicates += 1
             # the same check twice in one run (reruns): the last written is the run's answer
-            if float(rec.get("written_at", 0) or 0) < float(records[key].get("written_at", 0) or 0):
+            if rec.written_at < records[rec.key].written_at:
                 continue
-        records[key] = rec
-    return Results(path, session if isinstance(session, dict) else {}, records, duplicates)
-
-
-def _read_results_json(path: Path) -> tuple[dict[str, Any], list[Any]]:
-    data = json.loads(path.read_text())
-    if isinstance(data, list):  # a bare list of records
-        return {}, data
-    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-        raise GateInputError(f"{path}: not a kvconform results file (no 'records' list)")
-    return data.get("session") or {}, data["records"]
+        records[rec.key] = rec
+    return Results(run.source, run.session, records, duplicates)
 
 
 # ------------------------------------------------------------------------------------- comparing
@@ -170,21 +143,19 @@ def compare(baseline: Results, candidate: Results, block_on: frozenset[str] = BL
     return result
 
 
-def _outcome(rec: dict[str, Any] | None) -> str:
-    return "absent" if rec is None else str(rec.get("outcome", "?"))
+def _outcome(rec: CheckResult | None) -> str:
+    return "absent" if rec is None else rec.outcome
 
 
-def _first_line(rec: dict[str, Any] | None) -> str:
-    text = str((rec or {}).get("message") or "").strip()
-    line = text.splitlines()[0] if text else ""
-    return line if len(line) <= 160 else line[:157] + "..."
+def _first_line(rec: CheckResult | None) -> str:
+    return rec.first_line() if rec is not None else ""
 
 
 def _compare_outcomes(
     engine: str,
     check: str,
-    base: dict[str, Any] | None,
-    cand: dict[str, Any] | None,
+    base: CheckResult | None,
+    cand: CheckResult | None,
     block_on: frozenset[str] = BLOCKING_CLASSES,
 ) -> list[Row]:
     b, c = _outcome(base), _outcome(cand)
@@ -205,9 +176,9 @@ def _compare_outcomes(
         detail = transition + (f": {_first_line(cand)}" if _first_line(cand) else "")
         return [Row("new failure", engine, check, detail, True)]
     if c == KNOWN:
-        finding = str(cand.get("finding") or "").strip()
+        finding = cand.finding.strip()
         detail = transition + (f": {finding}" if finding else "")
-        klass = str(cand.get("finding_class") or "unclassified")
+        klass = cand.finding_class or "unclassified"
         if klass in block_on:
             return [Row("new failure", engine, check, detail, True)]
         return [Row(f"new {klass}", engine, check, detail, False)]
@@ -229,19 +200,9 @@ def _compare_outcomes(
     return [Row("changed", engine, check, transition, b != c and b in PASSING)]
 
 
-def violated(rec: dict[str, Any]) -> set[str]:
-    """The measures a record violated (its `violated` list, else its measures' ok=False)."""
-    listed = rec.get("violated")
-    if isinstance(listed, list):
-        return {str(n) for n in listed}
-    return {
-        str(m.get("name")) for m in rec.get("measures") or [] if isinstance(m, dict) and m.get("ok") is False
-    }
-
-
-def _fails_otherwise(base: dict[str, Any], cand: dict[str, Any]) -> str:
+def _fails_otherwise(base: CheckResult, cand: CheckResult) -> str:
     """Why a check failing in both fails differently in the candidate ('' if it does not)."""
-    was, now = violated(base), violated(cand)
+    was, now = base.violated, cand.violated
     if was and not now:
         outcome = _outcome(cand)
         line = _first_line(cand)
@@ -259,51 +220,28 @@ def _fails_otherwise(base: dict[str, Any], cand: dict[str, Any]) -> str:
     return ""
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    value = float(value)
-    return None if math.isnan(value) else value
-
-
-def _measures_by_name(rec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for m in rec.get("measures") or []:
-        if isinstance(m, dict) and isinstance(m.get("name"), str):
-            name = m["name"]
-            n = 2
-            while name in out:  # repeated names keep their order: x, x#2, x#3
-                name = f"{m['name']}#{n}"
-                n += 1
-            out[name] = m
-    return out
-
-
-def _compare_measures(
-    engine: str, check: str, base: dict[str, Any], cand: dict[str, Any]
-) -> tuple[list[Row], int]:
+def _compare_measures(engine: str, check: str, base: CheckResult, cand: CheckResult) -> tuple[list[Row], int]:
     rows: list[Row] = []
     compared = 0
-    base_m = _measures_by_name(base)
-    for name, cm in _measures_by_name(cand).items():
+    base_m = base.measures_by_name()
+    for name, cm in cand.measures_by_name().items():
         bm = base_m.get(name)
         if bm is None:
             continue
         label = f"{check} :: {name}"
-        if bm.get("ok") is True and cm.get("ok") is False:
-            detail = f"expectation now violated: {_describe(cm)} (was {value_text(bm.get('value'))})"
+        if bm.ok is True and cm.ok is False:
+            detail = f"expectation now violated: {_describe(cm)} (was {value_text(bm.value)})"
             rows.append(Row("regression", engine, label, detail, True))
             continue
-        better = cm.get("better") or bm.get("better")
-        bv, cv = _number(bm.get("value")), _number(cm.get("value"))
+        better = cm.better or bm.better
+        bv, cv = number(bm.value), number(cm.value)
         if better not in ("higher", "lower", "exact") or bv is None or cv is None:
             continue
         compared += 1
-        tol = _number(cm.get("tolerance")) or _number(bm.get("tolerance")) or 0.0
-        tol = abs(tol)
-        unit = str(cm.get("unit") or bm.get("unit") or "")
+        tol = abs(cm.tolerance or bm.tolerance or 0.0)
+        unit = cm.unit or bm.unit
         if better == "exact":
-            worse = _exact_worsening(bv, cv, _number(bm.get("bound")), _number(cm.get("bound")))
+            worse = _exact_worsening(bv, cv, number(bm.bound), number(cm.bound))
         else:
             delta = cv - bv
             worse = delta if better == "lower" else -delta
@@ -326,11 +264,11 @@ def _exact_worsening(bv: float, cv: float, b_bound: float | None, c_bound: float
     return abs(cv - bv)  # no bound to aim at: any change is a move away from the baseline
 
 
-def _describe(m: dict[str, Any]) -> str:
-    unit = f" {m['unit']}" if m.get("unit") else ""
-    text = f"{value_text(m.get('value'))}{unit}"
-    if m.get("op"):
-        text += f", expected {m['op']} {value_text(m.get('bound'))}{unit}"
+def _describe(m: Measure) -> str:
+    unit = f" {m.unit}" if m.unit else ""
+    text = f"{value_text(m.value)}{unit}"
+    if m.op:
+        text += f", expected {m.op} {value_text(m.bound)}{unit}"
     return text
 
 
@@ -342,11 +280,11 @@ def _session_line(label: str, res: Results) -> str:
     if not engines:
         seen: dict[str, str] = {}
         for (engine, _check), rec in res.records.items():
-            seen.setdefault(engine, str(rec.get("engine_version", "?")))
+            seen.setdefault(engine, rec.engine_version)
         engines = seen
     versions = ", ".join(f"{e} {v}" for e, v in sorted(engines.items())) or "-"
     platform = res.session.get("platform") or next(
-        (str(r.get("platform")) for r in res.records.values() if r.get("platform")), "?"
+        (r.platform for r in res.records.values() if r.platform), "?"
     )
     extra = f", {res.duplicates} duplicate records (last kept)" if res.duplicates else ""
     return f"{label}: {res.source} — {versions}; platform {platform}; {len(res.records)} checks{extra}"
@@ -355,7 +293,7 @@ def _session_line(label: str, res: Results) -> str:
 _PLURAL = {"new failure", "regression", "improvement", "new check"}
 
 
-def _summary(result: GateResult) -> str:
+def summary(result: GateResult) -> str:
     verdicts = (
         "new failure",
         "fails otherwise",
@@ -394,7 +332,7 @@ def render_plain(result: GateResult) -> str:
     else:
         lines.append("no differences")
         lines.append("")
-    lines.append(_summary(result))
+    lines.append(summary(result))
     return "\n".join(lines)
 
 
@@ -417,7 +355,7 @@ def render_markdown(result: GateResult) -> str:
                 f"| {mark} | {r.verdict} | {md_cell(r.engine)} | `{md_cell(r.check)}` | {md_cell(r.detail)} |"
             )
         lines.append("")
-    lines.append(md_cell(_summary(result)))
+    lines.append(md_cell(summary(result)))
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import pytest
 
     from kvconform.contract import EngineAdapter
+    from kvconform.records import CheckResult, Run
     from kvconform.results import Verdict
 
 _environment: dict[str, str] = {}
@@ -253,23 +254,23 @@ def _md5(*parts: str) -> str:
     return hashlib.md5("\x1f".join(parts).encode()).hexdigest()
 
 
-def finding_title(record: dict[str, Any]) -> str:
+def finding_title(record: CheckResult) -> str:
     from kvconform import dashboard
 
-    measures = "; ".join(dashboard.describe_measure(m) for m in dashboard.violated(record))
-    title = f"known finding ({dashboard.finding_class(record)}): {record['check']}"
+    measures = "; ".join(dashboard.describe_measure(m) for m in record.violated_measures)
+    title = f"known finding ({dashboard.finding_class(record)}): {record.check}"
     title += f" — {measures}" if measures else ""
     return title if len(title) <= 240 else title[:237] + "..."
 
 
-def _finding_description(record: dict[str, Any], link: str) -> str:
+def _finding_description(record: CheckResult, link: str) -> str:
     from kvconform import dashboard
 
     klass = dashboard.finding_class(record)
-    lines = [f"**Known finding ({klass})** on **{record['engine']} {record.get('engine_version', '')}**", ""]
-    lines.append(record.get("finding", ""))
+    lines = [f"**Known finding ({klass})** on **{record.engine} {record.engine_version}**", ""]
+    lines.append(record.finding)
     lines.append("")
-    bad = dashboard.violated(record)
+    bad = record.violated_measures
     if bad:
         lines.append("Violated now (the finding's measures, with this run's numbers):")
         lines.append("")
@@ -348,7 +349,7 @@ def proof_description(check: str, engine: str, proofs: EngineProofs) -> str:
 def organise_results(
     src: str | Path,
     dst: str | Path,
-    data: dict[str, Any] | None,
+    run: Run | None,
     dashboard_html: str | None = None,
     kills: Kills | None = None,
     proofs: EngineProofs | None = None,
@@ -363,11 +364,11 @@ def organise_results(
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    records = (data or {}).get("records") or []
-    by_key = {result_key(r["nodeid"]): r for r in records if r.get("nodeid")}
+    records = run.records if run is not None else ()
+    by_key = {result_key(r.nodeid): r for r in records if r.nodeid}
     dropped: set[str] = set()
     ids: dict[tuple[str, str], str] = {}
-    skips: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    skips: dict[tuple[str, str], list[tuple[CheckResult, dict[str, Any]]]] = {}
     for path in sorted(src.iterdir()):
         if not path.is_file():
             continue
@@ -378,21 +379,19 @@ def organise_results(
         result = json.loads(path.read_text())
         record = by_key.get((result.get("fullName", ""), result.get("name", "")))
         if record is not None:
-            if record.get("outcome") == "skipped":
-                skips.setdefault((record["engine"], dashboard.skip_reason(record)), []).append(
-                    (record, result)
-                )
+            if record.outcome == "skipped":
+                skips.setdefault((record.engine, dashboard.skip_reason(record)), []).append((record, result))
                 dropped.add(result.get("uuid", ""))
                 continue
             _organise_one(result, record)
-            if proofs and record["engine"] in proofs:
-                seen = proof_description(record["check"], record["engine"], proofs)
+            if proofs and record.engine in proofs:
+                seen = proof_description(record.check, record.engine, proofs)
             else:
-                seen = kills_description(record["check"], kills or {})
+                seen = kills_description(record.check, kills or {})
             if seen:
                 result["description"] = "\n\n".join(p for p in (result.get("description"), seen) if p)
                 result.pop("descriptionHtml", None)
-            ids[(record["engine"], record["check"])] = result.get("uuid", "")
+            ids[record.key] = result.get("uuid", "")
         (dst / path.name).write_text(json.dumps(result))
     for (engine, reason), members in sorted(skips.items()):
         (dst / f"{uuid.uuid4()}-result.json").write_text(json.dumps(_skip_group(engine, reason, members)))
@@ -425,10 +424,10 @@ def organise_results(
     return {"counts": c, "headline": dashboard.headline(c), "ids": ids}
 
 
-def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
+def _organise_one(result: dict[str, Any], record: CheckResult) -> None:
     from kvconform import dashboard
 
-    engine, check = record["engine"], record["check"]
+    engine, check = record.engine, record.check
     labels = [lab for lab in result.get("labels", []) if lab.get("name") not in _ORGANISED_LABELS]
     labels += [
         _label("epic", dashboard.promise_of(check)),
@@ -438,20 +437,20 @@ def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
         _label("suite", dashboard.suite_of(check)),
         _label("subSuite", base_check(check)),
         _label("engine", engine),
-        _label("engine_version", str(record.get("engine_version", "-"))),
+        _label("engine_version", record.engine_version),
     ]
     result["name"] = check
     if dashboard.is_finding(record):
-        link = dashboard.finding_link(record.get("finding", ""))
+        link = dashboard.finding_link(record.finding)
         result["status"] = "failed"
         result["name"] = finding_title(record)
         details = result.get("statusDetails") or {}
         original = (details.get("message") or "").removeprefix("XFAIL ")
         klass = dashboard.finding_class(record)
-        reason = str(record.get("finding", ""))
+        reason = record.finding
         if reason.startswith((f"{klass} on ", "finding on ")):  # findings.Finding.reason's prefix
             reason = reason.split(": ", 1)[1]
-        head = f"Known finding ({klass}) on {engine} {record.get('engine_version', '')}: {reason}"
+        head = f"Known finding ({klass}) on {engine} {record.engine_version}: {reason}"
         details["message"] = head + ("\n\n" + original if original else "")
         result["statusDetails"] = details
         result["description"] = _finding_description(record, link)
@@ -461,18 +460,18 @@ def _organise_one(result: dict[str, Any], record: dict[str, Any]) -> None:
             result.setdefault("links", []).append({"type": "issue", "name": f"upstream: {link}", "url": link})
     elif dashboard.is_new_failure(record):
         labels.append(_label("tag", NEW_FAILURE_TAG))
-        if record.get("finding"):
+        if record.finding:
             labels.append(_label("tag", "finding did not hold"))
     result["labels"] = labels
 
 
 def _skip_group(
-    engine: str, reason: str, members: list[tuple[dict[str, Any], dict[str, Any]]]
+    engine: str, reason: str, members: list[tuple[CheckResult, dict[str, Any]]]
 ) -> dict[str, Any]:
-    checks = sorted(r["check"] for r, _ in members)
+    checks = sorted(r.check for r, _ in members)
     starts = [res.get("start", 0) for _, res in members]
     stops = [res.get("stop", 0) for _, res in members]
-    version = str(members[0][0].get("engine_version", "-"))
+    version = members[0][0].engine_version
     history = _md5("kvconform-skips", engine, reason)
     return {
         "uuid": str(uuid.uuid4()),
@@ -517,14 +516,14 @@ def _environment_props(dst: Path, c: dict[str, int]) -> None:
 
 def quality_gate_results(gate: Any, ids: dict[tuple[str, str], str]) -> list[dict[str, Any]]:
     """The kvconform gate's verdict (a gate.GateResult) as Allure 3 quality-gate results."""
-    from kvconform.gate import _summary
+    from kvconform.gate import summary
 
     blocking = gate.blocking
     results = [
         {
             "rule": "kvconform gate",
             "success": gate.passed,
-            "message": re.sub(r"\s+", " ", _summary(gate)),
+            "message": re.sub(r"\s+", " ", summary(gate)),
             "expected": "no blocking row (new failure, missing, no longer run, regression)",
             "actual": f"{len(blocking)} blocking row(s)",
             "testResults": [ids[(r.engine, r.check)] for r in blocking if (r.engine, r.check) in ids],

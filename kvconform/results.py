@@ -274,27 +274,6 @@ class RecordWriter:
             os.fsync(fh.fileno())
 
 
-def load_records(results_dir: Path) -> list[dict[str, Any]]:
-    merged = results_dir / "results.json"
-    if merged.exists():
-        return json.loads(merged.read_text())["records"]
-    return _read_jsonl(results_dir)
-
-
-def judged_measures(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A record's measures compared with a bound (expect/equal), by name, whatever the result;
-    preconditions of the workload (Verdict.require) are not measures of the engine."""
-    return {
-        m["name"]: m
-        for m in record.get("measures", [])
-        if m.get("op") is not None and not m.get("precondition")
-    }
-
-
-def violated_measures(record: dict[str, Any]) -> set[str]:
-    return {m["name"] for m in record.get("measures", []) if m.get("ok") is False}
-
-
 def merge(results_dir: Path, session: dict[str, Any]) -> Path:
     """results.json, written atomically (a temporary file renamed over it): a full disk or a
     directory that is not writable leaves no results.json rather than a partial one, and the

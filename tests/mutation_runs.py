@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 
 from kvconform.engines.reference.faults import FAULTS, Fault
-from kvconform.results import judged_measures
 from tests.doubles import DOUBLES, FAULT_ENV, double_class, faults_by_double
 from tests.suite_runs import run_suites
 
@@ -59,9 +58,16 @@ _CACHE: dict[str, Any] = {}
 Key = tuple[str, str | None]  # (engine or double, fault or None for the clean run)
 
 
+def violated(record: dict) -> set[str]:
+    """The measures a stored record (results.json or the matrix's slim copy) has VIOLATED."""
+    return {m["name"] for m in record.get("measures", []) if m.get("ok") is False}
+
+
 def expected(record: dict) -> set[str]:
     """Every measure the check compared with a bound, whatever the result."""
-    return set(judged_measures(record))
+    return {
+        m["name"] for m in record.get("measures", []) if m.get("op") is not None and not m.get("precondition")
+    }
 
 
 def preconditions(record: dict) -> set[str]:

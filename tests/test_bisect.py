@@ -12,6 +12,7 @@ from kvconform import bisect as kb
 from kvconform import envs
 from kvconform.errors import UsageError
 from kvconform.gate import Results
+from kvconform.records import CheckResult
 
 CHECK = "memory_reclaim::test_churn_returns_to_baseline[unregister]"
 
@@ -47,7 +48,7 @@ def fake_runner(table: dict[str, list[dict] | str], ran: list[str]):
         value = table[version]
         if isinstance(value, str):
             return kb.Step(version, spec=f"fake-{version}", error=value)
-        records = {(r["engine"], r["check"]): r for r in value}
+        records = {(r["engine"], r["check"]): CheckResult.from_dict(r) for r in value}
         return kb.Step(version, spec=f"fake-{version}", results=Results(Path(version), {}, records))
 
     return run

@@ -13,6 +13,7 @@ import pytest
 
 from kvconform import cli, dashboard, gate, report
 from kvconform.errors import UsageError
+from kvconform.records import Run
 
 LINK = "https://example.org/upstream/issue/7"
 
@@ -81,7 +82,7 @@ DATA = {
 
 
 def test_cells_headline_and_versions() -> None:
-    dash = dashboard.build(DATA)
+    dash = dashboard.build(Run.from_data(DATA))
     assert dash.engines == ["lmcache", "sglang"]
     finding = dash.cell("lmcache", "memory_reclaim::test_churn_returns_to_baseline")
     assert finding.state == "finding" and "leak_slope = 4.1943e+06 B/cycle (expected <= 4096" in finding.text
@@ -153,7 +154,9 @@ def test_organised_results(tmp_path: Path) -> None:
     ]
     matrix.write_text(json.dumps({"measures": rows}))
     kills = report.load_kills(matrix)
-    info = report.organise_results(src, dst, DATA, dashboard_html="<html>dash</html>", kills=kills)
+    info = report.organise_results(
+        src, dst, Run.from_data(DATA), dashboard_html="<html>dash</html>", kills=kills
+    )
 
     results = [json.loads(p.read_text()) for p in dst.glob("*-result.json")]
     labels = {r["name"]: {(lab["name"], lab["value"]) for lab in r["labels"]} for r in results}
@@ -194,7 +197,7 @@ def test_organised_results(tmp_path: Path) -> None:
     reasons = {f"{churn} :: server_rss_bytes.leak_slope": "RSS noise above one instance"}
     proof.write_text(json.dumps([{"engine": "lmcache", "measures": measures, "unproven_reasons": reasons}]))
     proofs = report.load_engine_proofs(proof)
-    report.organise_results(src, tmp_path / "by-engine", DATA, kills=kills, proofs=proofs)
+    report.organise_results(src, tmp_path / "by-engine", Run.from_data(DATA), kills=kills, proofs=proofs)
     paged = [json.loads(p.read_text()) for p in (tmp_path / "by-engine").glob("*-result.json")]
     page = next(r for r in paged if r["name"].startswith("known finding (defect): "))
     assert (

@@ -23,9 +23,8 @@ import pytest
 
 from kvconform import registry
 from kvconform.checkids import matches
-from kvconform.results import violated_measures as violated
 from tests.doubles import DOUBLES, FAULT_ENV, faults_by_double
-from tests.mutation_runs import doubles_matrix, run_double
+from tests.mutation_runs import doubles_matrix, run_double, violated
 from tests.suite_runs import run_suites
 
 ROOT = Path(__file__).resolve().parent.parent

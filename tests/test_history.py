@@ -14,6 +14,7 @@ from kvconform.errors import UsageError
 from kvconform.gate import Results
 from kvconform.history import corpus, table
 from kvconform.history.runner import Verdict, judge_side
+from kvconform.records import CheckResult
 
 SUITES = Path(__file__).resolve().parents[1] / "kvconform" / "suites"
 
@@ -61,7 +62,9 @@ def _step(version: str, value: int | None, ok: bool | None) -> bisect.Step:
     measures = [] if value is None else [{"name": "leaked", "value": value, "op": "==", "bound": 0, "ok": ok}]
     rec = {"check": "suite::test_x[a]", "engine": "fake", "outcome": "passed" if ok else "failed"}
     rec["measures"] = measures
-    return bisect.Step(version, results=Results(Path("."), {}, {("fake", "suite::test_x[a]"): rec}))
+    return bisect.Step(
+        version, results=Results(Path("."), {}, {("fake", "suite::test_x[a]"): CheckResult.from_dict(rec)})
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import pytest
 from kvconform import dashboard, inventory, registry
 from kvconform.contract.capabilities import Capability
 from kvconform.errors import UsageError
+from kvconform.records import CheckResult
 
 REAL_ENGINES = [n for n in registry.BUILTIN if n != "reference"]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "inventory.md"
@@ -84,9 +85,11 @@ def test_dashboard_tells_the_three_kinds_of_empty_cell_apart() -> None:
             "outcome": "skipped",
             "message": f"Skipped: engine {engine} lacks capability {capability}",
         }
-        cell = dashboard.cell_of(record)
+        cell = dashboard.cell_of(CheckResult.from_dict(record))
         assert cell.state == state and capability.value in cell.text and cell.detail
     other = dashboard.cell_of(
-        {"engine": "vllm", "check": "x::test_y", "outcome": "skipped", "message": "Skipped: no layout"}
+        CheckResult.from_dict(
+            {"engine": "vllm", "check": "x::test_y", "outcome": "skipped", "message": "Skipped: no layout"}
+        )
     )
     assert other.state == "skip"

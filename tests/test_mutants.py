@@ -16,6 +16,7 @@ import pytest
 from kvconform.errors import UsageError
 from kvconform.mutants import activation, catalog
 from kvconform.mutants.proof import judge_mutant
+from kvconform.records import CheckResult, Run
 
 MODULE = "def freed(blocks):\n    returned = list(blocks)\n    return returned\n"
 
@@ -88,8 +89,11 @@ def test_shipped_catalogs_parse() -> None:
             assert m.violates and m.patches and m.bug
 
 
-def record(check: str, ok: bool | None, value: float) -> dict:
-    return {"check": check, "measures": [{"name": "leaked_blocks", "value": value, "op": "==", "ok": ok}]}
+def record(check: str, ok: bool | None, value: float) -> CheckResult:
+    measures = [{"name": "leaked_blocks", "value": value, "op": "==", "ok": ok}]
+    return CheckResult.from_dict(
+        {"check": check, "outcome": "passed" if ok else "failed", "measures": measures}
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,17 +109,16 @@ def test_judged_killed_only_against_a_passing_clean_run(
     clean_ok: bool, mutant_ok: bool, applied: list[str], status: str
 ) -> None:
     m = mutant("a", "b")
-    clean = {"records": [record("suite::test_release", clean_ok, 0)]}
-    mutated = {
-        "session": {"mutant": {"applied": applied}},
-        "records": [record("suite::test_release", mutant_ok, 1)],
-    }
+    clean = Run(Path("clean"), {}, (record("suite::test_release", clean_ok, 0),))
+    mutated = Run(
+        Path("mutant"), {"mutant": {"applied": applied}}, (record("suite::test_release", mutant_ok, 1),)
+    )
     (outcome,) = judge_mutant("toy", m, clean, mutated)
     assert outcome.status == status
 
 
 def test_no_record_is_said_as_such() -> None:
-    (outcome,) = judge_mutant("toy", mutant("a", "b"), {"records": []}, {"records": []})
+    (outcome,) = judge_mutant("toy", mutant("a", "b"), Run(Path("c"), {}, ()), Run(Path("m"), {}, ()))
     assert outcome.status == "no record"
     assert json.dumps(outcome.__dict__)
 

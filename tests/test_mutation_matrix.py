@@ -39,7 +39,6 @@ from kvconform.checkids import base_check as base
 from kvconform.checkids import matches
 from kvconform.engines.reference.faults import FAULTS
 from kvconform.plugin.session import results_dir
-from kvconform.results import violated_measures as violated
 from tests.doubles import faults_by_double
 from tests.mutation_runs import (
     EVIDENCE,
@@ -54,6 +53,7 @@ from tests.mutation_runs import (
     reference_matrix,
     slim,
     suite_files,
+    violated,
 )
 from tests.test_engine_only_checks import PROVES
 

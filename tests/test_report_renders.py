@@ -46,6 +46,7 @@ from kvconform import dashboard
 from kvconform.checkids import base_check
 from kvconform.mainjob import HISTORY_NAME, build_report, run_main_job
 from kvconform.plugin.session import results_dir
+from kvconform.records import CheckResult
 
 FAULT = "granularity_loss"
 SELECT = "partial_block or repeated_prompt or block_size_sweep or radix_cache"
@@ -350,7 +351,9 @@ def test_report_of_a_failing_run_renders(
     assert _record(records, FINDING_CHECK)["outcome"] == "xfailed"
     assert _record(records, PLOT_CHECK)["outcome"] == "failed"
     skipped = [r for r in records if r["outcome"] == "skipped"]
-    assert skipped and all(dashboard.lacked_capability(r) == LACKED for r in skipped), skipped
+    assert skipped and all(
+        dashboard.lacked_capability(CheckResult.from_dict(r)) == LACKED for r in skipped
+    ), skipped
     browser.navigate(failing_run["index"].as_uri())
 
     # the overview: its name states the findings, the new failures and the gate

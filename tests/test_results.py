@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvconform.results import CheckRecord, RecordWriter, Verdict, load_records, merge
+from kvconform.records import read_records
+from kvconform.results import CheckRecord, RecordWriter, Verdict, merge
 
 
 def test_conclude_without_expectation_is_an_error() -> None:
@@ -96,7 +97,7 @@ def test_record_writer_and_merge(tmp_path: Path) -> None:
     writer.write(record("b", "failed"))
     other = tmp_path / "results" / "records-99999999.jsonl"  # another process's file
     other.write_text(json.dumps(asdict(record("c", "skipped"))) + "\n\n")
-    assert sorted(r["check"] for r in load_records(tmp_path / "results")) == ["a", "b", "c"]
+    assert sorted(r.check for r in read_records(tmp_path / "results")) == ["a", "b", "c"]
 
     path = merge(tmp_path / "results", {"engines": {"fake": "1.0"}})
     data = json.loads(path.read_text())
@@ -106,8 +107,8 @@ def test_record_writer_and_merge(tmp_path: Path) -> None:
         ("b", "failed"),
         ("c", "skipped"),
     ]
-    other.unlink()  # results.json, once merged, is what load_records reads
-    assert len(load_records(tmp_path / "results")) == 3
+    other.unlink()  # results.json, once merged, is what read_records reads
+    assert len(read_records(tmp_path / "results")) == 3
 
 
 TINY_SUITE = """

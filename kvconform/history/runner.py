@@ -22,7 +22,7 @@ from kvconform import bisect
 from kvconform.checkids import matches
 from kvconform.errors import UsageError
 from kvconform.history.corpus import Defect, load
-from kvconform.results import judged_measures
+from kvconform.records import CheckResult
 
 
 @dataclass
@@ -66,23 +66,23 @@ def judge_side(defect: Defect, step: bisect.Step) -> Side:
         return side
     found = []
     for rec in records:
-        side.outcomes.append(str(rec.get("outcome")))
-        measure = judged_measures(rec).get(defect.measure)
+        side.outcomes.append(rec.outcome)
+        measure = rec.judged.get(defect.measure)
         if measure is None:
             continue
         found.append(measure)
-        side.values.append(measure.get("value"))
+        side.values.append(measure.value)
     if not found:
         cause = next((c for c in map(_cause, records) if c), "")
         side.why = f"{defect.measure} not judged ({', '.join(side.outcomes)}){': ' + cause if cause else ''}"
         return side
-    side.held = all(m.get("ok") is True for m in found)
+    side.held = all(m.ok is True for m in found)
     return side
 
 
-def _cause(record: dict[str, Any]) -> str:
+def _cause(record: CheckResult) -> str:
     """The first line of a record's message, and the innermost exception its log tail shows."""
-    lines = [ln.strip() for ln in str(record.get("message") or "").splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in record.message.splitlines() if ln.strip()]
     if not lines:
         return ""
     inner = [ln for ln in lines[1:] if re.match(r"^[\w.]+(Error|Exception): ", ln)]

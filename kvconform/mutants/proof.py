@@ -27,7 +27,8 @@ from typing import Any
 
 from kvconform.checkids import base_check, matches
 from kvconform.mutants.catalog import Mutant, mutants_of, unproven_reasons
-from kvconform.results import judged_measures, load_records, measure_key, write_atomic
+from kvconform.records import CheckResult, Run, read
+from kvconform.results import measure_key, write_atomic
 
 SUITES = Path(__file__).resolve().parent.parent / "suites"
 
@@ -61,11 +62,11 @@ class EngineProof:
 
 def run_session(
     engine: str, checks: list[str], results: Path, mutant: str | None, timeout_s: float, reuse: bool = False
-) -> dict:
+) -> Run:
     """One pytest session of `checks` on `engine`; its results.json (session + records).
     `reuse`: a session already recorded in `results` stands (a table rewritten from earlier runs)."""
     if reuse and (results / "results.json").exists():
-        return json.loads((results / "results.json").read_text())
+        return read(results)
     argv = [sys.executable, "-m", "pytest", str(SUITES), "--engine", engine, "--results-dir", str(results)]
     argv += [arg for check in checks for arg in ("--check", check)]
     argv += ["-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
@@ -77,33 +78,30 @@ def run_session(
             subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
             log.write(f"\nkvconform mutants: session timed out after {timeout_s:.0f} s\n")
-    path = results / "results.json"
-    return json.loads(path.read_text()) if path.exists() else {"session": {}, "records": []}
+    return read(results) if (results / "results.json").exists() else Run(results, {}, ())
 
 
-def records_for(run: dict, pattern: str) -> list[dict]:
-    return [r for r in run["records"] if matches(r["check"], pattern)]
+def records_for(run: Run, pattern: str) -> list[CheckResult]:
+    return [r for r in run.records if matches(r.check, pattern)]
 
 
-def judge_mutant(engine: str, mutant: Mutant, clean: dict, mutated: dict) -> list[MutantOutcome]:
-    applied = (mutated.get("session", {}).get("mutant") or {}).get("applied") or []
+def judge_mutant(engine: str, mutant: Mutant, clean: Run, mutated: Run) -> list[MutantOutcome]:
+    applied = (mutated.session.get("mutant") or {}).get("applied") or []
     outcomes = []
     for expectation in mutant.violates:
-        pairs = [
-            (c, m) for c in records_for(clean, expectation.check) for m in records_for(mutated, c["check"])
-        ]
+        pairs = [(c, m) for c in records_for(clean, expectation.check) for m in records_for(mutated, c.check)]
         for measure in expectation.measures:
             if not pairs:
                 outcomes.append(MutantOutcome(engine, mutant.name, expectation.check, measure, "no record"))
                 continue
             for clean_rec, mut_rec in pairs:
-                before = judged_measures(clean_rec).get(measure)
-                after = judged_measures(mut_rec).get(measure)
+                before = clean_rec.judged.get(measure)
+                after = mut_rec.judged.get(measure)
                 if not applied:
                     status = "not applied"
-                elif before is None or before.get("ok") is not True:
+                elif before is None or before.ok is not True:
                     status = "clean fails"
-                elif after is not None and after.get("ok") is False:
+                elif after is not None and after.ok is False:
                     status = "killed"
                 else:
                     status = "survived"
@@ -111,22 +109,20 @@ def judge_mutant(engine: str, mutant: Mutant, clean: dict, mutated: dict) -> lis
                     MutantOutcome(
                         engine,
                         mutant.name,
-                        clean_rec["check"],
+                        clean_rec.check,
                         measure,
                         status,
-                        None if before is None else before.get("value"),
-                        None if after is None else after.get("value"),
+                        None if before is None else before.value,
+                        None if after is None else after.value,
                     )
                 )
     return outcomes
 
 
-def engine_run(results: Path, engine: str) -> dict:
+def engine_run(results: Path, engine: str) -> Run:
     """A finished run's session and its records of `engine`."""
-    path = results / "results.json"
-    run = json.loads(path.read_text()) if path.exists() else {"records": load_records(results)}
-    records = [r for r in run.get("records", []) if r.get("engine") == engine]
-    return {"session": run.get("session", {}), "records": records}
+    run = read(results)
+    return Run(run.source, run.session, tuple(r for r in run.records if r.engine == engine))
 
 
 def prove_engine(
@@ -143,16 +139,16 @@ def prove_engine(
     mutants = [m for name, m in mutants_of(engine).items() if not only or name in only]
     proof = EngineProof(engine, reasons=unproven_reasons(engine))
     checks = list(dict.fromkeys(c for m in mutants for c in m.checks()))
-    runs: list[dict] = []
+    runs: list[Run] = []
     runs += [engine_run(path, engine) for path in judged]
     for run in runs:
-        proof.version = str(run.get("session", {}).get("engines", {}).get(engine, proof.version))
+        proof.version = str(run.session.get("engines", {}).get(engine, proof.version))
     if mutants:
         if clean_from is not None:
             clean = engine_run(clean_from, engine)
         else:
             clean = run_session(engine, checks, work / engine / "clean", None, timeout_s, reuse)
-        proof.version = str(clean.get("session", {}).get("engines", {}).get(engine, "unknown"))
+        proof.version = str(clean.session.get("engines", {}).get(engine, "unknown"))
         runs.append(clean)
         for mutant in mutants:
             mutated = run_session(
@@ -160,11 +156,11 @@ def prove_engine(
             )
             proof.outcomes += judge_mutant(engine, mutant, clean, mutated)
     for run in runs:
-        for record in run["records"]:
-            for name, measure in judged_measures(record).items():
-                killers = proof.measures.setdefault(measure_key(base_check(record["check"]), name), [])
-                if record.get("finding") and measure.get("ok") is False:
-                    label = f"finding ({record.get('finding_class', 'unclassified')})"
+        for record in run.records:
+            for name, measure in record.judged.items():
+                killers = proof.measures.setdefault(measure_key(base_check(record.check), name), [])
+                if record.finding and measure.ok is False:
+                    label = f"finding ({record.finding_class or 'unclassified'})"
                     if label not in killers:
                         killers.append(label)
     for outcome in proof.outcomes:

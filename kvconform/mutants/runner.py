@@ -8,11 +8,12 @@ from pathlib import Path
 from kvconform import registry
 from kvconform.mutants.catalog import mutants_of
 from kvconform.mutants.proof import credit_releases, load, merge, prove_engine, write
-from kvconform.results import load_records, source_commit
+from kvconform.records import read_records
+from kvconform.results import source_commit
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    judged_engines = {r.get("engine") for path in args.judged for r in load_records(Path(path))}
+    judged_engines = {r.engine for path in args.judged for r in read_records(path)}
     engines = args.engine or [n for n in registry.names() if mutants_of(n) or n in judged_engines]
     proofs = []
     for engine in engines:
