@@ -553,6 +553,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             C.INSTANCE_CHURN,
             C.INSTANCE_REGISTRY,
             C.LONG_SESSION,
+            C.BLOCK_SIZE_CONFIG,  # --chunk-size, as on `lmcache`; Redis is kept across restarts
         }
     )
     # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process
