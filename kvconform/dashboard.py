@@ -28,7 +28,7 @@ from kvconform import inventory
 from kvconform.checkids import base_check
 from kvconform.contract.capabilities import Capability
 from kvconform.errors import KvconformError, UsageError
-from kvconform.formatting import md_cell, value_text
+from kvconform.formatting import first_line, md_cell, value_text
 from kvconform.records import CheckResult, RecordsError, Run, read
 from kvconform.results import Measure
 
@@ -94,11 +94,6 @@ def describe_measure(m: Measure) -> str:
     if m.op is not None:
         text += f" (expected {m.op} {value_text(m.bound, max_len=60)}{unit})"
     return text
-
-
-def first_line(text: str, limit: int = 160) -> str:
-    line = ((text or "").strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def is_finding(record: CheckResult) -> bool:

@@ -11,6 +11,12 @@ def md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def first_line(text: str, limit: int = 160) -> str:
+    """A message's first non-blank line, cut to `limit` characters."""
+    line = ((text or "").strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def value_text(value: Any, none: str = "None", max_len: int | None = None) -> str:
     """A measured value: floats to 6 significant digits, None as `none`, long text cut."""
     if value is None:

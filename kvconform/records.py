@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvconform.errors import KvconformError
+from kvconform.formatting import first_line
 from kvconform.results import Measure
 
 
@@ -118,9 +119,7 @@ class CheckResult:
         return out
 
     def first_line(self, limit: int = 160) -> str:
-        text = self.message.strip()
-        line = text.splitlines()[0] if text else ""
-        return line if len(line) <= limit else line[: limit - 3] + "..."
+        return first_line(self.message, limit)
 
 
 @dataclass(frozen=True)
@@ -168,10 +167,8 @@ def read(path: str | Path) -> Run:
 
 
 def read_records(path: str | Path) -> list[CheckResult]:
-    """The records of a run; [] where the folder holds none yet."""
-    try:
-        return list(read(path).records)
-    except RecordsError:
-        if Path(path).is_dir() and not any(Path(path).glob("records-*.jsonl")):
-            return []
-        raise
+    """The records of a run; [] for a folder that holds none yet."""
+    path = Path(path)
+    if path.is_dir() and not (path / "results.json").is_file() and not any(path.glob("records-*.jsonl")):
+        return []
+    return list(read(path).records)

@@ -339,7 +339,7 @@ class LmcacheAdapter(EngineAdapter):
         return int(self.l1_gb() * 2**30)
 
     def l1_capacity_bytes(self) -> int:
-        return int(self.l1_gb() * 2**30)
+        return self.kv_pool_bytes()  # LMCache's L1 is the KV pool it serves from
 
     def cache_capacity_tokens(self) -> int:
         return self.kv_pool_bytes() // self.model.kv_bytes_per_token()
