@@ -58,6 +58,9 @@ class MemoryMeasure:
     value: float
     exact: bool
     unit: str = "bytes"
+    # Whether it moves with the KV the engine holds (the long session judges only those); a
+    # count of loaded model bytes returns to baseline on release but stands still per turn.
+    holds_kv: bool = True
 
 
 def gpu_measures(sample: MemorySample) -> dict[str, MemoryMeasure]:

@@ -621,7 +621,9 @@ class OmlxAdapter(EngineAdapter):
         if not isinstance(status, dict) or "model_memory_used" not in status:
             raise EngineError(self.name, f"/api/status lacks model_memory_used: {str(status)[:200]}")
         return {
-            "pool_model_memory_bytes": MemoryMeasure(float(status["model_memory_used"]), exact=True),
+            "pool_model_memory_bytes": MemoryMeasure(
+                float(status["model_memory_used"]), exact=True, holds_kv=False
+            ),
             "server_rss_bytes": MemoryMeasure(sample_processes(self.engine_pids()).rss, exact=False),
         }
 

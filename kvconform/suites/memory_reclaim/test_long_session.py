@@ -36,7 +36,7 @@ def exact_bytes(engine: EngineAdapter) -> dict[str, float] | None:
         probe = engine.reclaim_probe()
     except NotImplementedError:
         return None
-    return {name: m.value for name, m in probe.items() if m.exact and m.unit == "bytes"}
+    return {name: m.value for name, m in probe.items() if m.exact and m.unit == "bytes" and m.holds_kv}
 
 
 def test_long_session_bounded(
