@@ -38,6 +38,7 @@ class MemorySample:
     shm_bytes: int  # size of /dev/shm files the tree maps or holds open
     shm_files: int
     processes: int
+    threads: int = 0  # OS threads of the live processes: a thread kept per instance keeps its stack and arena
     gpu: GpuSample | None = None
     gpu_unavailable: str | None = None
 
@@ -164,10 +165,11 @@ def shm_held_by(pids: Iterable[int]) -> dict[str, int]:
 
 def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample:
     pids = list(pids)
-    rss = pss = uss = alive = 0
+    rss = pss = uss = alive = threads = 0
     for pid in pids:
         try:
             proc = psutil.Process(pid)
+            threads += proc.num_threads()
             if with_pss:
                 full = proc.memory_full_info()
                 rss += full.rss
@@ -188,6 +190,7 @@ def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample
         shm_bytes=sum(shm.values()),
         shm_files=len(shm),
         processes=alive,
+        threads=threads,
     )
     if probe.available:
         try:

@@ -199,6 +199,25 @@ def test_another_measure_violated_as_well_is_a_failure(measured: Manifest) -> No
     assert "violated beyond the finding: server_rss_bytes.leak_slope (above)" in judged.explanation
 
 
+def test_a_may_also_symptom_keeps_the_xfail_but_is_never_enough(tmp_path: Path) -> None:
+    path = tmp_path / "symptom.toml"
+    path.write_text(
+        "[[finding]]"
+        + MEASURED.split("[[finding]]")[1]
+        + 'may_also = { "server_rss_bytes.leak_slope" = "above" }\n'
+    )
+    entry = findings.load(str(path)).entries[0]
+    assert [(m.pattern, m.direction) for m in entry.may_also] == [("server_rss_bytes.leak_slope", "above")]
+    with_symptom = leak_verdict(4194304.0, rss_slope=9e6)
+    assert findings.judge(entry, concluded(with_symptom), with_symptom).expected
+    without = leak_verdict(4194304.0)
+    assert findings.judge(entry, concluded(without), without).expected
+    symptom_alone = leak_verdict(0.0, rss_slope=9e6, shm_delta=0.0)
+    judged = findings.judge(entry, concluded(symptom_alone), symptom_alone)
+    assert not judged.expected
+    assert "not violated so" in judged.explanation
+
+
 def test_a_finding_measure_no_longer_violated_is_a_failure(measured: Manifest) -> None:
     v = leak_verdict(4194304.0, shm_delta=0.0)
     judged = findings.judge(measured.entries[0], concluded(v), v)

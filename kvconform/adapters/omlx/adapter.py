@@ -615,16 +615,20 @@ class OmlxAdapter(EngineAdapter):
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """The pool's own count of loaded model bytes (exact: 0 with no model loaded, whatever
-        the allocator does; omlx/engine_pool.py _current_model_memory, /api/status), and the
-        server's RSS (MLX arrays freed on unload, engine_pool.py _unload_engine)."""
+        the allocator does; omlx/engine_pool.py _current_model_memory, /api/status), the
+        server's threads (exact: a model's scheduler, writer and executor threads end with its
+        unload, engine_core.py close) and its RSS (MLX arrays freed on unload, engine_pool.py
+        _unload_engine)."""
         status = self.get_json("/api/status")
         if not isinstance(status, dict) or "model_memory_used" not in status:
             raise EngineError(self.name, f"/api/status lacks model_memory_used: {str(status)[:200]}")
+        server = sample_processes(self.engine_pids())
         return {
             "pool_model_memory_bytes": MemoryMeasure(
                 float(status["model_memory_used"]), exact=True, holds_kv=False
             ),
-            "server_rss_bytes": MemoryMeasure(sample_processes(self.engine_pids()).rss, exact=False),
+            "server_threads": MemoryMeasure(server.threads, exact=True, unit="threads", holds_kv=False),
+            "server_rss_bytes": MemoryMeasure(server.rss, exact=False),
         }
 
     def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
