@@ -163,6 +163,12 @@ def shm_held_by(pids: Iterable[int]) -> dict[str, int]:
     return held
 
 
+def threads_measure(sample: MemorySample) -> MemoryMeasure:
+    """The OS threads of the sampled processes, a count that returns to baseline when an
+    instance's threads end with it (each kept thread holds a stack and a malloc arena)."""
+    return MemoryMeasure(sample.threads, exact=True, unit="threads", holds_kv=False)
+
+
 def sample_processes(pids: Iterable[int], with_pss: bool = True) -> MemorySample:
     pids = list(pids)
     rss = pss = uss = alive = threads = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
 import time
 import types
 import uuid
@@ -21,6 +22,7 @@ from kvconform.memory import (
     gpu_measures,
     sample_processes,
     shm_held_by,
+    threads_measure,
 )
 
 MiB = 1 << 20
@@ -205,3 +207,17 @@ def test_periodic_sampler_keeps_a_steady_rate_and_collects_errors() -> None:
             time.sleep(0.02)
     assert len(sampler.samples) >= 3
     assert sampler.errors == ["RuntimeError: one bad sample"]
+
+
+def test_threads_are_counted_and_a_kept_thread_shows() -> None:
+    before = sample_processes([os.getpid()], with_pss=False).threads
+    stop = threading.Event()
+    kept = threading.Thread(target=stop.wait, daemon=True)
+    kept.start()
+    try:
+        during = threads_measure(sample_processes([os.getpid()], with_pss=False))
+    finally:
+        stop.set()
+        kept.join()
+    assert before >= 1
+    assert during.value == before + 1 and during.exact and during.unit == "threads" and not during.holds_kv

@@ -79,6 +79,16 @@ def test_catalog_refuses_an_entry_without_what_it_needs(tmp_path: Path) -> None:
         catalog._parse({"name": "x", "patch": [{"module": "m", "old": "a", "new": "b"}]}, "toy", tmp_path)
 
 
+def test_a_borrowed_mutant_keeps_its_patches_with_its_own_measures(tmp_path: Path) -> None:
+    vllm = catalog.find("vllm", "shm_ring_not_unlinked")
+    stack = catalog.find("vllm-lmcache", "shm_ring_not_unlinked")
+    assert stack.engine == "vllm-lmcache" and stack.patches == vllm.patches
+    assert stack.bug.startswith(vllm.bug) and "The mutant of vllm" in stack.bug
+    raw = {"name": "shm_ring_not_unlinked", "from": "vllm", "bug": "mine"}
+    with pytest.raises(UsageError, match="takes its patches and bug from there"):
+        catalog._borrowed(raw, "vllm-lmcache", tmp_path)
+
+
 def test_shipped_catalogs_parse() -> None:
     from kvconform import registry
 

@@ -14,6 +14,15 @@
 
 The clean engine must pass the same measures in the same run (`kvconform mutants`).
 
+A stack that runs another engine's code (vLLM inside vllm-lmcache) reuses that engine's mutant,
+patches and bug as written there, with the measures it must violate in this stack:
+
+    [[mutant]]
+    name = "shm_ring_not_unlinked"
+    from = "vllm"                            # the engine whose catalog holds it
+    [[mutant.violates]]
+    ...
+
 Why a measure is not proven on the engine, where that is known (the proof table prints it):
 
     [[unproven]]
@@ -84,9 +93,9 @@ def mutants_of(engine: str) -> dict[str, Mutant]:
         return {}
     found: dict[str, Mutant] = {}
     for raw in tomllib.loads(path.read_text()).get("mutant", []):
-        mutant = _parse(raw, engine, path)
         if engine not in raw.get("engines", [engine]):
             continue
+        mutant = _borrowed(raw, engine, path) if raw.get("from") else _parse(raw, engine, path)
         if mutant.name in found:
             raise UsageError(f"{path}: two mutants named {mutant.name!r}")
         found[mutant.name] = mutant
@@ -114,6 +123,26 @@ def find(engine: str, name: str) -> Mutant:
     return known[name]
 
 
+def _borrowed(raw: dict, engine: str, path: Path) -> Mutant:
+    where = f"{path}: mutant {raw.get('name', '?')!r}"
+    if raw["from"] == engine or raw.get("patch") or raw.get("bug"):
+        raise UsageError(f"{where}: a mutant `from` another engine takes its patches and bug from there")
+    source = find(raw["from"], raw.get("name", ""))
+    bug = f"{source.bug}\n(The mutant of {raw['from']}, {source.source.parent.name}/{CATALOG_NAME}.)"
+    return Mutant(source.name, engine, bug, source.patches, _violates(raw, where), path)
+
+
+def _violates(raw: dict, where: str) -> tuple[Expectation, ...]:
+    if not raw.get("violates"):
+        raise UsageError(f"{where} lacks violates")
+    violates = []
+    for item in raw["violates"]:
+        if not item.get("check") or not item.get("measures"):
+            raise UsageError(f"{where}: each `violates` needs a check and its measures")
+        violates.append(Expectation(item["check"], tuple(item["measures"])))
+    return tuple(violates)
+
+
 def _parse(raw: dict, engine: str, path: Path) -> Mutant:
     where = f"{path}: mutant {raw.get('name', '?')!r}"
     missing = [key for key in ("name", "bug", "patch", "violates") if not raw.get(key)]
@@ -124,9 +153,4 @@ def _parse(raw: dict, engine: str, path: Path) -> Mutant:
         if not all(item.get(k) for k in ("module", "old")) or "new" not in item:
             raise UsageError(f"{where}: a patch needs module, old and new")
         patches.append(Patch(item["module"], item["old"], item["new"], int(item.get("count", 1))))
-    violates = []
-    for item in raw["violates"]:
-        if not item.get("check") or not item.get("measures"):
-            raise UsageError(f"{where}: each `violates` needs a check and its measures")
-        violates.append(Expectation(item["check"], tuple(item["measures"])))
-    return Mutant(raw["name"], engine, raw["bug"], tuple(patches), tuple(violates), path)
+    return Mutant(raw["name"], engine, raw["bug"], tuple(patches), _violates(raw, where), path)

@@ -30,7 +30,7 @@ from kvconform.contract import (
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.server import LaunchedServer
-from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes
+from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes, threads_measure
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
 
@@ -472,7 +472,11 @@ class LmcacheAdapter(EngineAdapter):
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         if self.churn_path == "destroy":
             sample = sample_processes(self.inproc.pids() if self.inproc else [])
-            return {"inproc_engine_rss_bytes": MemoryMeasure(sample.rss, exact=False)}
+            return {
+                "inproc_engine_rss_bytes": MemoryMeasure(sample.rss, exact=False),
+                # LMCacheEngine's workers (async store, prefetch) end with destroy (cache_engine.py close)
+                "inproc_engine_threads": threads_measure(sample),
+            }
         if self.churn_path == "close":
             return {
                 "closed_server_leftover_processes": MemoryMeasure(
@@ -483,6 +487,8 @@ class LmcacheAdapter(EngineAdapter):
         sample = sample_processes(self.engine_pids())
         return {
             "server_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
+            # An instance's heartbeat and transfer work ends with its release: no thread of its stays.
+            "server_threads": threads_measure(sample),
             "server_rss_bytes": MemoryMeasure(sample.rss, exact=False),
             **gpu_measures(sample),
         }

@@ -58,7 +58,7 @@ from kvconform.contract import (
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.server import LaunchedServer
-from kvconform.memory import MemoryMeasure, sample_processes
+from kvconform.memory import MemoryMeasure, sample_processes, threads_measure
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
@@ -627,7 +627,7 @@ class OmlxAdapter(EngineAdapter):
             "pool_model_memory_bytes": MemoryMeasure(
                 float(status["model_memory_used"]), exact=True, holds_kv=False
             ),
-            "server_threads": MemoryMeasure(server.threads, exact=True, unit="threads", holds_kv=False),
+            "server_threads": threads_measure(server),
             "server_rss_bytes": MemoryMeasure(server.rss, exact=False),
         }
 
