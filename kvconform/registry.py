@@ -81,6 +81,11 @@ def load_target(name: str, target: str) -> type[EngineAdapter]:
     cls = getattr(module, class_name, None)
     if cls is None:
         raise UsageError(f"engine {name!r}: {module_name} has no adapter class {class_name}")
+    from kvconform.contract.requirements import describe_missing  # with the adapter: the contract
+
+    refused = describe_missing(name, cls)
+    if refused:
+        raise UsageError(refused)
     return cls
 
 
