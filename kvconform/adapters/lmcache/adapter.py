@@ -487,8 +487,6 @@ class LmcacheAdapter(EngineAdapter):
         sample = sample_processes(self.engine_pids())
         return {
             "server_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
-            # An instance's heartbeat and transfer work ends with its release: no thread of its stays.
-            "server_threads": threads_measure(sample),
             "server_rss_bytes": MemoryMeasure(sample.rss, exact=False),
             **gpu_measures(sample),
         }

@@ -23,7 +23,7 @@ from kvconform.adapters.vllm.adapter import VllmAdapter
 from kvconform.contract import AdapterContext, Capability, EngineConfig
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
-from kvconform.memory import MemoryMeasure, sample_processes, threads_measure
+from kvconform.memory import MemoryMeasure, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
@@ -189,13 +189,12 @@ class VllmLmcacheAdapter(VllmAdapter):
     # ---- instance churn: vLLM instances cycling against one LMCache server ----------------
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """vLLM's restart leftovers, and what the LMCache server holds after each instance
-        left: its /dev/shm mappings and threads (exact) and RSS, named as the lmcache adapter's (where
+        left: its /dev/shm mappings (exact) and RSS, named as the lmcache adapter's (where
         LMCache 0.5.6 keeps each released instance's KV mapped: known-failures.toml)."""
         measures = super().reclaim_probe()
         sample = sample_processes(self.lmcache.pids() if self.lmcache else [])
         measures["server_shm_mapped_bytes"] = MemoryMeasure(sample.shm_bytes, exact=True)
         measures["server_rss_bytes"] = MemoryMeasure(sample.rss, exact=False)
-        measures["server_threads"] = threads_measure(sample)
         measures["server_registered_instances"] = MemoryMeasure(
             len(self.registered_instances()), True, "instances"
         )
