@@ -39,6 +39,7 @@ INPROCESS_CAPABILITIES = frozenset(
         C.PREFIX_CACHE,
         C.RESET_PREFIX_CACHE,
         C.BLOCK_SIZE_CONFIG,
+        C.RESTART,  # a new driver process: SGLang's block hashes must not depend on the process
         C.FORCED_EVICTION,
         C.HOST_MEMORY,
         C.KV_EVENTS,
