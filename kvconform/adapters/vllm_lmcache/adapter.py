@@ -50,6 +50,7 @@ class VllmLmcacheAdapter(VllmAdapter):
             C.PERSISTENT_PREFIX,  # a restarted vLLM is served by the LMCache server
             C.INSTANCE_CHURN,
             C.HOST_MEMORY,
+            C.CACHE_SALT,  # vLLM's request salt keys LMCache's chunks too (lmcache_mp_metadata.py:85)
         }
     )
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
