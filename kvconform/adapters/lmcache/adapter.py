@@ -84,6 +84,7 @@ class LmcacheAdapter(EngineAdapter):
             C.INSTANCE_REGISTRY,
             C.LONG_SESSION,
             C.TIERED_STORE_METRICS,
+            C.CACHE_SALT,  # IPCCacheServerKey.cache_salt, as the vLLM connector sends it
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
@@ -314,9 +315,18 @@ class LmcacheAdapter(EngineAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         """What a serving engine with LMCache does per request: look up and retrieve the cached
         prefix (bytes checked), compute the rest, store the prompt's full chunks."""
+        return self._serve(tokens, "")
+
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        """The same, with the request's cache salt in every key, as LMCache's vLLM connector
+        sends it (lmcache_mp_metadata.py LMCacheMPRequestTracker.cache_salt)."""
+        return self._serve(tokens, salt)
+
+    def _serve(self, tokens: list[int], salt: str) -> ServedPrompt:
         assert self.client is not None
-        got = self.client.call("retrieve", instance_id=SERVING_INSTANCE, token_ids=tokens)
-        stored = self.client.call("store", instance_id=SERVING_INSTANCE, token_ids=tokens)
+        salted: dict[str, Any] = {"cache_salt": salt} if salt else {}
+        got = self.client.call("retrieve", instance_id=SERVING_INSTANCE, token_ids=tokens, **salted)
+        stored = self.client.call("store", instance_id=SERVING_INSTANCE, token_ids=tokens, **salted)
         if not stored.get("ok", False):
             raise EngineError(self.name, f"store of {len(tokens)} tokens failed: {stored}", self.log_tail())
         intact = got.get("bytes_match") is not False
@@ -558,6 +568,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             C.INSTANCE_REGISTRY,
             C.LONG_SESSION,
             C.BLOCK_SIZE_CONFIG,  # --chunk-size, as on `lmcache`; Redis is kept across restarts
+            C.CACHE_SALT,  # the salt is part of the key in L1 and in Redis alike
         }
     )
     # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process

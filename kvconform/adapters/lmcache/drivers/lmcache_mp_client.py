@@ -239,12 +239,19 @@ def _key(
     request_id: str,
     worker_id: int | None,
     world_size: int = 1,
+    cache_salt: str = "",
 ) -> Any:
+    """The IPC key of a request's token range, as LMCache's vLLM connector builds it; the
+    request's cache salt is part of the cache identity (IPCCacheServerKey.cache_salt)."""
     lm = _lm()
     model = inst_or_model.model_name if isinstance(inst_or_model, _Instance) else inst_or_model
     key_type = lm["IPCCacheServerKey"]
     # read locks per key: one reader here (LMCache <= 0.5.3 has no such field)
-    readers = {"num_kv_readers": 1} if "num_kv_readers" in key_type.__dataclass_fields__ else {}
+    optional: dict[str, Any] = {}
+    if "num_kv_readers" in key_type.__dataclass_fields__:
+        optional["num_kv_readers"] = 1
+    if cache_salt:  # releases without salts have no such field: a salted call there is an error
+        optional["cache_salt"] = cache_salt
     return key_type(
         model_name=model,
         world_size=world_size,
@@ -253,7 +260,7 @@ def _key(
         start=start,
         end=end,
         request_id=request_id,
-        **readers,
+        **optional,
     )
 
 
@@ -636,6 +643,7 @@ def op_store(
     start: int = 0,
     skip_cached: bool = False,
     wait_committed_s: float = 2.0,
+    cache_salt: str = "",
 ) -> dict[str, Any]:
     """STORE the full chunks of token_ids[start:] from this instance's shm KV blocks.
 
@@ -654,7 +662,7 @@ def op_store(
     rid = _request_id("store")
     looked_up_hit = None
     if skip_cached and n_full:
-        key = _key(inst, token_ids, 0, n_full, rid, None, inst.world_size)
+        key = _key(inst, token_ids, 0, n_full, rid, None, inst.world_size, cache_salt)
         hit, _ = _lookup_hit_chunks(client, key, 5.0)
         looked_up_hit = hit * chunk
         _release_locks(client, key, hit)
@@ -685,7 +693,7 @@ def op_store(
     for c in range(count // chunk):
         chunk_blocks = blocks[c * inst.blocks_in_chunk : (c + 1) * inst.blocks_in_chunk]
         digests.append(inst.write_chunk(token_ids, start // chunk + c, chunk_blocks))
-    key = _key(inst, token_ids, start, start + count, rid, inst.worker_id, inst.world_size)
+    key = _key(inst, token_ids, start, start + count, rid, inst.worker_id, inst.world_size, cache_salt)
     t0 = time.monotonic()
     try:
         reply = _submit(inst, "store", key, blocks)
@@ -745,6 +753,7 @@ def op_retrieve(
     instance_id: int,
     token_ids: list[int],
     poll_timeout_s: float = 5.0,
+    cache_salt: str = "",
 ) -> dict[str, Any]:
     """LOOKUP, then RETRIEVE the hit prefix into freshly zeroed blocks and compare every
     chunk's bytes with the bytes that chunk's token prefix was stored with."""
@@ -768,7 +777,7 @@ def op_retrieve(
     }
     if n_full == 0:
         return out
-    lkey = _key(inst, token_ids, 0, n_full, rid, None, inst.world_size)
+    lkey = _key(inst, token_ids, 0, n_full, rid, None, inst.world_size, cache_salt)
     try:
         hit, lookup_ms = _lookup_hit_chunks(client, lkey, poll_timeout_s)
         hit_tokens = hit * chunk
@@ -778,7 +787,7 @@ def op_retrieve(
             return out
         blocks = inst.take_blocks(hit_tokens // inst.block_size)
         inst.zero_blocks(blocks)
-        rkey = _key(inst, token_ids, 0, hit_tokens, rid, inst.worker_id, inst.world_size)
+        rkey = _key(inst, token_ids, 0, hit_tokens, rid, inst.worker_id, inst.world_size, cache_salt)
         t0 = time.monotonic()
         reply = _submit(inst, "retrieve", rkey, blocks)
         out["retrieve_latency_ms"] = round((time.monotonic() - t0) * 1000, 3)
