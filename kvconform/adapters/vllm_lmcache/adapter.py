@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 from kvconform import envs
 from kvconform.adapters.vllm.adapter import VllmAdapter
 from kvconform.contract import AdapterContext, Capability, EngineConfig
 from kvconform.errors import EngineError
+from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, sample_processes
 from kvconform.metrics import MetricSnapshot
@@ -30,6 +32,8 @@ from kvconform.processes import TeardownReport, free_port
 
 C = Capability
 L1_GB = 0.05  # the server's L1, as the lmcache adapter's
+# LMCache's own MP client (the lmcache adapter's driver), for what only a client can send
+LMCACHE_DRIVERS = Path(__file__).resolve().parent.parent / "lmcache" / "drivers"
 REGISTER_TIMEOUT_S = 10.0  # after /health answers, vLLM's worker has registered (measured ~1 s)
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1"}
 
@@ -51,6 +55,7 @@ class VllmLmcacheAdapter(VllmAdapter):
             C.INSTANCE_CHURN,
             C.HOST_MEMORY,
             C.CACHE_SALT,  # vLLM's request salt keys LMCache's chunks too (lmcache_mp_metadata.py:85)
+            C.INSTANCE_REGISTRY,  # vLLM instances register with the LMCache server
         }
     )
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
@@ -200,6 +205,38 @@ class VllmLmcacheAdapter(VllmAdapter):
             len(self.registered_instances()), True, "instances"
         )
         return measures
+
+    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+        """A vLLM that exits releases its instance at the server (UNREGISTER on shutdown);
+        a second one for that id, the RPC the worker sends (worker_transfer.py unregister),
+        must be ignored or refused cleanly (engine_driven_transfer.py:358 logs an unknown id
+        and returns)."""
+        self.serve_prompt(tokens)
+        before = set(self.registered_instances())
+        self.restart()
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        gone = before - set(self.registered_instances())
+        while not gone and time.monotonic() < deadline:
+            time.sleep(0.2)
+            gone = before - set(self.registered_instances())
+        client = DriverProcess(
+            self.name,
+            envs.find(self.server_env_spec()).python,
+            LMCACHE_DRIVERS / "lmcache_mp_client.py",
+            self.ctx.workdir / "logs" / "lmcache-second-release.log",
+            env={**LMCACHE_ENV, "KVC_LMCACHE_RPC_URL": f"tcp://127.0.0.1:{self.lmcache_rpc_port}"},
+        )
+        try:
+            answers = [client.call("unregister_engine_driven", instance_id=int(i)) for i in sorted(gone)]
+        finally:
+            client.close()
+        errors = [a.get("server_error") for a in answers if a.get("server_error")]
+        return {
+            "first_released": bool(gone),
+            "second_refused_cleanly": bool(answers) and not errors,
+            "detail": f"released by vLLM's exit: {sorted(gone)}; second UNREGISTER: "
+            f"{'; '.join(map(str, errors)) or 'no error'}",
+        }
 
     def registered_instances(self) -> list[Any]:
         """The KV instances the LMCache server holds registered (GET /status): a vLLM that

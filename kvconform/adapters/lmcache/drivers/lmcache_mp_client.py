@@ -875,6 +875,25 @@ def op_unregister(instance_id: int, release_memory: bool = True) -> dict[str, An
     return record
 
 
+def op_unregister_engine_driven(instance_id: int) -> dict[str, Any]:
+    """The UNREGISTER an engine-driven worker sends on exit (worker_transfer.py unregister:
+    unregister_kv_cache_engine_driven_context), for an instance registered by another process
+    (a vLLM worker); the server's answer or error is reported, never raised."""
+    client = _client()
+    t0 = time.monotonic()
+    err = None
+    try:
+        reply = _result(client.unregister_kv_cache_engine_driven_context(int(instance_id)))
+    except Exception as exc:
+        reply, err = None, f"{type(exc).__name__}: {exc}"
+    return {
+        "instance_id": int(instance_id),
+        "server_reply": reply,
+        "server_error": err,
+        "latency_ms": round((time.monotonic() - t0) * 1000, 3),
+    }
+
+
 def op_instances() -> dict[str, Any]:
     return {str(i): inst.describe() for i, inst in _instances.items()}
 
@@ -913,6 +932,7 @@ def main() -> None:
             "lookup": op_lookup,
             "retrieve": op_retrieve,
             "unregister": op_unregister,
+            "unregister_engine_driven": op_unregister_engine_driven,
             "instances": op_instances,
             "shm": op_shm,
             "clear": op_clear,
