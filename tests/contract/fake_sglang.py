@@ -68,6 +68,7 @@ class FakeSglang(FakeServer):
         if not legacy:  # older servers have only /get_server_info
             self.route("GET", "/server_info", lambda q, b, h: (200, self._server_info(), {}))
         self.route("POST", "/generate", self._generate)
+        self.route("POST", "/v1/completions", self._completions)
         self.route("POST", "/flush_cache", self._flush)
         self.route("GET", "/flush_cache", self._flush)
         if enable_metrics:  # http_server.py mounts /metrics only with --enable-metrics
@@ -133,16 +134,17 @@ class FakeSglang(FakeServer):
         }
 
     # ---- the cache model ---------------------------------------------------------------
-    def _page_hashes(self, ids: list[int]) -> list[int]:
-        hashes, parent, p = [], None, self.page_size
+    def _page_hashes(self, ids: list[int], salt: str = "") -> list[int]:
+        # a salted request's pages chain from the salt (utils.py storage_namespace_seed)
+        hashes, parent, p = [], (block_hash(None, [ord(c) for c in salt]) if salt else None), self.page_size
         for i in range(len(ids) // p):
             parent = block_hash(parent, ids[i * p : (i + 1) * p])
             hashes.append(parent)
         return hashes
 
-    def _serve(self, ids: list[int]) -> int:
+    def _serve(self, ids: list[int], salt: str = "") -> int:
         p = self.page_size
-        hashes = self._page_hashes(ids)
+        hashes = self._page_hashes(ids, salt)
         usable = (len(ids) - 1) // p  # schedule_batch.py _compute_max_prefix_len: input_len - 1
         matched = 0
         while matched < usable and hashes[matched] in self.pages:
@@ -165,6 +167,25 @@ class FakeSglang(FakeServer):
     # Dict[str, int | str]): {"device", "host"} when any token was cached, plus "storage" (int)
     # and "storage_backend" (the backend class name, a string) with HiCache storage on; the
     # key is present as null when nothing was cached.
+    # entrypoints/openai/serving_completions.py with --enable-cache-report: usage carries
+    # prompt_tokens_details.cached_tokens; `cache_salt` (protocol.py CompletionRequest) keeps a
+    # salt's pages apart.
+    def _completions(self, q: dict, body: Any, h: dict) -> Reply:
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), list):
+            return 400, {"error": "prompt must be a list of token ids here"}, {}
+        ids, n_out = body["prompt"], int(body.get("max_tokens", 1))
+        cached = self._serve(ids, str(body.get("cache_salt") or ""))
+        self.requests += 1
+        self.prompt_tokens += len(ids)
+        self.cached_tokens += cached
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": n_out,
+            "total_tokens": len(ids) + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        return 200, {"choices": [{"index": 0, "text": " w17" * n_out}], "usage": usage}, {}
+
     def _generate(self, q: dict, body: Any, h: dict) -> Reply:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list):
             return 400, {"error": "Either text or input_ids should be provided."}, {}

@@ -355,7 +355,7 @@ def test_prefix_reuse_suite_passes_on_a_block_exact_server(fake_sglang, tmp_path
     run = run_suite(fake_sglang.url, tmp_path, "kvconform/suites/prefix_reuse")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "failed" not in run.stdout
-    assert "4 passed" in run.stdout, run.stdout[-2000:]
+    assert "5 passed" in run.stdout, run.stdout[-2000:]
     records = json.loads((tmp_path / "results" / "results.json").read_text())
     assert records["session"]["engines"] == {"sglang-server": "0.5.23+contract-fake"}
     ran = {r["check"]: r["outcome"] for r in records["records"] if r["outcome"] != "skipped"}
@@ -364,6 +364,7 @@ def test_prefix_reuse_suite_passes_on_a_block_exact_server(fake_sglang, tmp_path
         "prefix_reuse::test_reset_drops_cached_prefix": "passed",
         "prefix_reuse::test_partial_block_prefix_hits_match_oracle[32]": "passed",
         "prefix_reuse::test_evicted_prefix_not_reported_as_hit": "passed",
+        "prefix_reuse::test_cache_salt_isolates_prefix_and_event_hashes": "passed",
     }
 
 
