@@ -28,6 +28,7 @@ from kvconform.contract import (
     ServedPrompt,
 )
 from kvconform.errors import EngineError, UsageError
+from kvconform.events import EventLedger, KvEvent
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes, threads_measure
@@ -85,7 +86,13 @@ class LmcacheAdapter(EngineAdapter):
             C.LONG_SESSION,
             C.TIERED_STORE_METRICS,
             C.CACHE_SALT,  # IPCCacheServerKey.cache_salt, as the vLLM connector sends it
+            C.KV_EVENTS,  # SUBSCRIBE_KV_EVENTS: the server's sequenced CPU-tier records
         }
+    )
+    # A shared server numbers every model's KV-event records in one sequence: attached, the
+    # gaps other models leave in ours would read as losses.
+    attach_capabilities_removed: ClassVar[frozenset[Capability]] = (
+        EngineAdapter.attach_capabilities_removed | {C.KV_EVENTS}
     )
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
@@ -256,6 +263,7 @@ class LmcacheAdapter(EngineAdapter):
             heartbeat_s=5.0,
             **self.register_args(),
         )
+        self._subscribe_events()
 
     def ensure(self, config: EngineConfig | None = None) -> None:
         """Attached, the suite still needs its client: it speaks LMCache's RPC protocol, whose
@@ -331,6 +339,43 @@ class LmcacheAdapter(EngineAdapter):
             raise EngineError(self.name, f"store of {len(tokens)} tokens failed: {stored}", self.log_tail())
         intact = got.get("bytes_match") is not False
         return ServedPrompt(len(tokens), int(got.get("hit_tokens") or 0), [int(intact)])
+
+    # ---- KV events: the server's own sequenced records (modules/kv_events.py) -------------
+    def _subscribe_events(self) -> None:
+        """A fresh ledger per server process: its records are numbered from its start."""
+        assert self.client is not None
+        self.ledger = EventLedger()
+        self.client.call("subscribe_events", instance_id=SERVING_INSTANCE)
+
+    def drain_events(self) -> int:
+        """Take the records the server pushed. Their `seq` is the server's, counted over every
+        model (the suite registers one), so a record it dropped shows as a gap; a batch with
+        `lost` set is LMCache saying so itself (KVEventBatch)."""
+        if self.client is None:
+            return 0
+        time.sleep(self.event_settle_s)
+        got = self.client.call("take_events")
+        if got.get("error"):
+            raise EngineError(self.name, f"KV event subscription failed: {got['error']}", self.log_tail())
+        events: list[KvEvent] = []
+        for batch in got.get("batches", []):
+            if not batch["enabled"]:
+                raise EngineError(self.name, "the server records no KV events (disabled)", self.log_tail())
+            for record in batch["events"]:
+                if record["kind"] not in ("stored", "removed"):
+                    raise EngineError(self.name, f"KV event record of unknown kind: {record}")
+                events.append(
+                    KvEvent(
+                        record["seq"],
+                        "stored" if record["kind"] == "stored" else "removed",
+                        tuple(record["block_hashes"]),
+                        record["parent"],
+                        record["medium"].lower(),
+                        record["token_count"],
+                    )
+                )
+        self.ledger.extend(events)
+        return 0
 
     def queried_tokens(self, prompt_tokens: int) -> int:
         # lookup_requested_tokens counts whole chunks only (a shorter tail is never looked up)
@@ -569,6 +614,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             C.LONG_SESSION,
             C.BLOCK_SIZE_CONFIG,  # --chunk-size, as on `lmcache`; Redis is kept across restarts
             C.CACHE_SALT,  # the salt is part of the key in L1 and in Redis alike
+            C.KV_EVENTS,
         }
     )
     # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process

@@ -47,6 +47,9 @@ _state: dict[str, Any] = {"client": None, "zmq": None, "rpc_url": None, "http_ur
 _instances: dict[int, _Instance] = {}
 _released: dict[int, dict[str, Any]] = {}
 _seq = {"n": 0}
+# The KV-event subscription: a reader thread buffers the server's pushed batches until taken.
+_events: dict[str, Any] = {"stream": None, "thread": None, "batches": [], "error": None}
+_events_lock = threading.Lock()
 
 
 def _lm():
@@ -894,6 +897,65 @@ def op_unregister_engine_driven(instance_id: int) -> dict[str, Any]:
     }
 
 
+def _batch_dict(batch: Any) -> dict[str, Any]:
+    return {
+        "enabled": bool(batch.enabled),
+        "incarnation": int(batch.incarnation),
+        "next_cursor": int(batch.next_cursor),
+        "lost": bool(batch.lost),
+        "events": [
+            {
+                "seq": int(r.seq),
+                "kind": str(r.kind),
+                "medium": str(r.medium),
+                "model_name": str(r.model_name),
+                "block_hashes": [bytes(h).hex() for h in r.block_hashes],
+                "parent": bytes(r.parent_block_hash).hex() if r.parent_block_hash is not None else None,
+                "token_count": len(r.token_ids),
+            }
+            for r in batch.events
+        ],
+    }
+
+
+def op_subscribe_events(instance_id: int, max_events: int = 1024) -> dict[str, Any]:
+    """SUBSCRIBE_KV_EVENTS for the instance's model from cursor 0, as LMCache's vLLM adapter
+    does (vllm_multi_process_adapter.py _receive_kv_events); a reader thread buffers batches."""
+    inst = _get_instance(instance_id)
+    with _events_lock:
+        if _events["thread"] is not None and _events["thread"].is_alive():
+            return {"subscribed": True, "already": True}
+        _events.update(batches=[], error=None)
+    stream = _client().subscribe_kv_events(inst.instance_id, inst.model_name, 0, int(max_events))
+
+    def read() -> None:
+        try:
+            for batch in stream:
+                with _events_lock:
+                    _events["batches"].append(_batch_dict(batch))
+        except Exception as exc:  # reported by take_events, never swallowed
+            with _events_lock:
+                _events["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=read, name="kvc-kv-events", daemon=True)
+    with _events_lock:
+        _events.update(stream=stream, thread=thread)
+    thread.start()
+    return {"subscribed": True, "model_name": inst.model_name}
+
+
+def op_take_events() -> dict[str, Any]:
+    """The batches pushed since the last call, and whether the subscription still reads."""
+    with _events_lock:
+        batches, _events["batches"] = _events["batches"], []
+        thread = _events["thread"]
+        return {
+            "batches": batches,
+            "error": _events["error"],
+            "reading": thread is not None and thread.is_alive(),
+        }
+
+
 def op_instances() -> dict[str, Any]:
     return {str(i): inst.describe() for i, inst in _instances.items()}
 
@@ -933,6 +995,8 @@ def main() -> None:
             "retrieve": op_retrieve,
             "unregister": op_unregister,
             "unregister_engine_driven": op_unregister_engine_driven,
+            "subscribe_events": op_subscribe_events,
+            "take_events": op_take_events,
             "instances": op_instances,
             "shm": op_shm,
             "clear": op_clear,
