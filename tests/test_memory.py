@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
 import sys
-import threading
 import time
 import types
 import uuid
@@ -210,14 +210,18 @@ def test_periodic_sampler_keeps_a_steady_rate_and_collects_errors() -> None:
 
 
 def test_threads_are_counted_and_a_kept_thread_shows() -> None:
-    before = sample_processes([os.getpid()], with_pss=False).threads
-    stop = threading.Event()
-    kept = threading.Thread(target=stop.wait, daemon=True)
-    kept.start()
+    # a process of our own: this test process's thread count moves with other tests' threads
+    code = (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        during = threads_measure(sample_processes([os.getpid()], with_pss=False))
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        measure = threads_measure(sample_processes([proc.pid], with_pss=False))
     finally:
-        stop.set()
-        kept.join()
-    assert before >= 1
-    assert during.value == before + 1 and during.exact and during.unit == "threads" and not during.holds_kv
+        proc.kill()
+        proc.wait()
+    assert measure.value == 4, "the main thread and the three it started"
+    assert measure.exact and measure.unit == "threads" and not measure.holds_kv
