@@ -159,7 +159,7 @@ FAULTS: dict[str, Fault] = {
         (_LOSS,),
         "a remote tier's connection error raised past its worker thread (the class of an "
         "uncaught connector exception ending a cache server)",
-        ("engine_healthy_after_loss",),
+        ("engine_healthy_after_loss", "requests_refused_after_loss"),
     ),
     "partial_chunk_saved": Fault(
         "the prompt's partial last chunk is stored and matched like a whole one",

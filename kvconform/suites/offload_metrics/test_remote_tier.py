@@ -1,5 +1,6 @@
 """A remote KV tier's accounting agrees with what the remote store really holds, its eviction
-keeps the store within capacity, and losing the remote server mid-run is a clear outcome.
+keeps the store within capacity, and losing the remote server mid-run is a cache miss:
+requests are still served, in time.
 
 What the store holds is read with the suite's own client (object count and bytes of the
 engine's keys); what it should hold comes from the model shape (chunks x chunk bytes).
@@ -160,6 +161,16 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
             "s",
             note=f"{outcomes[label][0]}: a lost remote tier must not hang a request",
         )
+    refused = sorted(label for label, (how, _) in outcomes.items() if how == "refused")
+    verdict.equal(
+        "requests_refused_after_loss",
+        len(refused),
+        0,
+        "requests",
+        note=f"refused: {', '.join(refused) or 'none'}; a remote cache tier that is gone is a miss, "
+        "and the request is recomputed (LMCache's L2AdapterInterface: a lookup or load answers a "
+        "bitmap with 0 for each key that failed)",
+    )
     _, got = outcomes["stored"]
     if isinstance(got, ServedPrompt):
         verdict.equal(
@@ -289,6 +300,14 @@ def test_remote_store_counters_track_pending_writes(
             "objects",
             note=f"engine {engine.name} counts no failed objects: submitted - completed objects "
             "is pending or failed, not judged as pending",
+        )
+    if "l2_usage_bytes" in names:
+        verdict.equal(
+            "l2_usage_bytes_vs_remote_after_failed_stores",
+            engine.metric("l2_usage_bytes", engine.metrics()) - sum(engine.remote_entries().values()),
+            0,
+            "bytes",
+            note="the usage gauge counts what the remote store holds: a refused write adds nothing",
         )
     if counts_tasks:
         verdict.equal(
