@@ -63,9 +63,18 @@ def test_repeated_prompt_served_from_cache(
 ) -> None:
     block = requested_block_size(cache)
     expect_block_size(cache, verdict, block)
+    # Another prompt of the same shape first: a block key that does not cover the block's tokens
+    # (colliding hashes, GHSA-rm76-4mrf-v9r8's class) serves its KV to the fresh prompt.
+    cache.serve_prompt(prompts.fresh(10 * block))
     prompt = prompts.fresh(10 * block)  # block-aligned: the last-token rule decides the last block
     first = cache.serve_prompt(prompt, answer_tokens(has))
-    verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")
+    verdict.equal(
+        "first_request_cached_tokens",
+        first.cached_tokens,
+        0,
+        "tokens",
+        note="a fresh prompt, served right after another of the same length",
+    )
     before = cache.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
     second = cache.serve_prompt(prompt, answer_tokens(has))
     expected = oracle(cache, len(prompt), len(prompt))
