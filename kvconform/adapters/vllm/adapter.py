@@ -76,6 +76,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    tiny_model_dtype: ClassVar[str] = "bfloat16"  # --dtype of the tiny CPU model; model.dtype_bytes agrees
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -220,7 +221,9 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             "replay_endpoint": replay,
         }
         if self.profile.is_default:
-            argv = serve_command(Path("vllm"), Path(model or self.model_dir()), block, port)[1:]
+            argv = serve_command(
+                Path("vllm"), Path(model or self.model_dir()), block, port, self.tiny_model_dtype
+            )[1:]
         else:
             argv = ["serve", *profile_serve_args(self.profile, block, port)]
         argv += ["--kv-events-config", json.dumps(kv_events), "--disable-uvicorn-access-log"]
@@ -581,7 +584,9 @@ def profile_serve_args(profile: LaunchProfile, block_size: int, port: int) -> li
     return [*argv, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def serve_command(vllm: Path, model_dir: Path, block_size: int, port: int) -> list[str]:
+def serve_command(
+    vllm: Path, model_dir: Path, block_size: int, port: int, dtype: str = "bfloat16"
+) -> list[str]:
     """`vllm serve` as kvconform runs it on CPU: the tiny model (its seeded weights: answers
     depend on the KV), prefix caching, an 8 MiB KV pool, token-id prompts with cached-token
     details in the usage."""
@@ -592,7 +597,7 @@ def serve_command(vllm: Path, model_dir: Path, block_size: int, port: int) -> li
         "--served-model-name",
         MODEL_NAME,
         "--dtype",
-        "bfloat16",
+        dtype,
         "--enable-prefix-caching",
         "--block-size",
         str(block_size),
