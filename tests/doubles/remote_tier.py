@@ -216,6 +216,14 @@ FAULTS: dict[str, Fault] = {
         "store_controller.py:662-671)",
         ("l2_pending_objects_after_failed_stores", "l2_pending_store_tasks_after_failed_stores"),
     ),
+    "failed_store_counted_as_stored": Fault(
+        "a refused store's chunk is booked as stored: the L2 usage gauge counts bytes the store "
+        "never took",
+        (_PENDING,),
+        "LMCache#4991 (fs_native: failed stores stay registered as present); LMCache 0.5.6's RESP "
+        "adapter books a store only when its completion says ok",
+        ("l2_usage_bytes_vs_remote_after_failed_stores",),
+    ),
     "failed_store_drops_l1": Fault(
         "a refused L2 store also deletes the chunks' L1 copies, as a successful one may "
         "(the L1 deletion policy applied on the failure path)",
@@ -527,6 +535,8 @@ class RemoteTierDouble(DoubleAdapter):
         self.submitted += 1
         if self.fault != "failed_store_left_pending":
             self.failed += 1
+        if key in self.l1 and self.fault == "failed_store_counted_as_stored":
+            self.gauge_bytes += len(self.slots[self.l1[key]])
         if key in self.l1 and self.fault == "failed_store_drops_l1":
             self.free.append(self.l1.pop(key))
             self.l1_gauge -= len(self.slots[self.free[-1]])
