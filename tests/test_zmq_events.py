@@ -187,6 +187,30 @@ def test_decode_array_encoding_and_bad_payloads(pair: Callable[..., Pair]) -> No
     assert ledger.events() == [] and subscriber.seen == set()
 
 
+def test_renumbered_live_batches_reach_the_ledger(pair: Callable[..., Pair]) -> None:
+    """A live batch under a number already taken: the same batch again (a resend) is dropped,
+    other content (a publisher numbering from 0 again inside one instance) is kept, and both
+    are noted as a regress."""
+    _, subscriber, ledger = pair()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(subscriber.endpoint)
+
+    def batch(*hashes: str) -> bytes:
+        return msgpack.packb([1.0, [stored_event(list(hashes), None, 16, "GPU")], None])
+
+    frames = [(0, batch("a")), (1, batch("b")), (1, batch("b")), (0, batch("c"))]
+    try:
+        time.sleep(0.3)  # the subscription settles before the first frame
+        for seq, payload in frames:
+            pub.send_multipart((TOPIC.encode(), seq.to_bytes(8, "big"), payload))
+        assert wait_for(lambda: len(ledger.disorder) == 2)
+    finally:
+        pub.close(0)
+    assert sorted(h for e in ledger.events() for h in e.block_hashes) == ["a", "b", "c"]
+    assert [v.kind for v in ledger.disorder] == ["seq_regress", "seq_regress"]
+
+
 def test_publisher_closes_while_its_replay_socket_waits() -> None:
     """close() with the replay thread blocked waiting for requests: no abort of the process
     (ZMQ sockets are single-threaded), and the replay port is released."""

@@ -78,6 +78,7 @@ class ZmqEventSubscriber:
         self.decode_errors: list[str] = []
         self.seen: set[int] = set()
         self.live_seen: set[int] = set()
+        self._payloads: dict[int, int] = {}  # seq -> hash of the batch taken under it
         self._live_max = -1
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -110,7 +111,10 @@ class ZmqEventSubscriber:
                     self.ledger.note_disorder(seq, f"arrived after seq {self._live_max}")
                 self.live_seen.add(seq)
                 self._live_max = max(self._live_max, seq)
-            if seq in self.seen:
+            # A number seen before is a replay answer or a resent batch, dropped; a live batch
+            # that reuses a number for other content (a publisher renumbering from 0 inside one
+            # instance) is the engine's own history and goes to the ledger (its regress is noted).
+            if seq in self.seen and not (live and self._payloads.get(seq) != hash(payload)):
                 return
             try:
                 events = decode_batch(seq, payload)
@@ -120,6 +124,7 @@ class ZmqEventSubscriber:
                 self.ledger.note_undecodable(seq, f"{why} (from {self.endpoint})")
                 return
             self.seen.add(seq)
+            self._payloads[seq] = hash(payload)
             self.ledger.note_decoded(seq)
         self.ledger.extend(events)
 

@@ -217,8 +217,7 @@ FAULTS: dict[str, Fault] = {
         ("l2_pending_objects_after_failed_stores", "l2_pending_store_tasks_after_failed_stores"),
     ),
     "failed_store_counted_as_stored": Fault(
-        "a refused store's chunk is booked as stored: the L2 usage gauge counts bytes the store "
-        "never took",
+        "a refused store's chunk is booked as stored: the L2 usage gauge counts bytes the store never took",
         (_PENDING,),
         "LMCache#4991 (fs_native: failed stores stay registered as present); LMCache 0.5.6's RESP "
         "adapter books a store only when its completion says ok",
