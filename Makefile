@@ -20,7 +20,7 @@ RESULTS ?= results
 KILLS = --mutation-matrix $(firstword $(wildcard $(RESULTS)/selftest/mutation-matrix.json) docs/mutation-matrix.json) \
   $(if $(wildcard docs/mutants.json),--proof docs/mutants.json)
 
-.PHONY: main test lint envs selftest selftest-harness selftest-engines engines matrix mutants mutants-smoke history venv clean
+.PHONY: main test lint envs selftest selftest-harness selftest-engines engines matrix mutants mutants-smoke history venv clean example-llamacpp
 
 venv: $(VENV)/.ready
 
@@ -103,6 +103,16 @@ mutants-smoke: venv
 	printf '%s\n' $(SMOKE_MUTANTS) | xargs -P 2 -n 1 sh -c 'e=$${0%%:*}; \
 	  exec $(BIN)/kvconform mutants --engine $$e --mutant $${0#*:} --clean-from $(RESULTS)/engines \
 	    --work $(RESULTS)/mutants-smoke/$$e --out $(RESULTS)/mutants-smoke/$$e.md'
+
+# Not part of CI: the seventh engine, out of tree (examples/llamacpp_adapter: llama.cpp's
+# llama-server, built from source in its own environment, ~5 min on 2 cores). Installed the way a
+# team installs its adapter: a venv with the suite and the adapter package, then the suites.
+example-llamacpp:
+	$(PYTHON) -m venv $(RESULTS)/llamacpp-venv
+	$(RESULTS)/llamacpp-venv/bin/pip install -q --progress-bar off -e . -e examples/llamacpp_adapter
+	$(RESULTS)/llamacpp-venv/bin/kvconform env build llamacpp
+	cd $(RESULTS) && llamacpp-venv/bin/python -m pytest --pyargs kvconform.suites --engine llamacpp \
+	  --results-dir llamacpp -q -p no:cacheprovider
 
 # Long run, not part of CI: the release-history corpus (kvconform/history/defects.toml). Builds each
 # bug's last bad and first fixed release (environments cached like the others), runs its check on

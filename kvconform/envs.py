@@ -15,6 +15,19 @@ names one. On a machine without a GPU, `build_gpu` only resolves their pins on P
 (`resolve_pins`), so CI proves every pin exists without installing multi-GB CUDA wheels.
 `parser_env` names the CPU spec of the same release whose argument parser validates the
 command lines the adapters build for it (`check_argv`).
+
+A spec (see any adapter's envs/*.toml; examples/llamacpp_adapter's builds from source):
+    engine = "NAME"            the engine it is for (`kvconform env build NAME` finds it)
+    python = "python3.11"      the interpreter the venv is made with
+    version_probe = "..."      Python run in the env; the last line it prints is the version
+    hash_files = [...]         files (beside the spec) whose content joins the cache key
+    [[steps]]                  in order, each with a `name` and one of:
+      pip = [...]              pinned requirements (pip_options = [...] before them)
+      uninstall = [...]        packages to remove
+      dist_info = {...}        a dist-info to write (a package installed without pip)
+      run = "..."              Python run by the env's interpreter (sys.prefix is the venv;
+                               its parent is the env's own folder, for build trees)
+    and per step env = {...} (environment variables), lift_torch_cap = true (no torch cap).
 """
 
 from __future__ import annotations

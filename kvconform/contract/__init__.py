@@ -13,6 +13,7 @@ from kvconform.contract.types import (
     ServedPrompt,
     TransferResult,
 )
+from kvconform.oracles import LastToken
 from kvconform.polling import poll_until, seconds_until_steady
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Capability",
     "EngineAdapter",
     "EngineConfig",
+    "LastToken",
     "ModelShape",
     "ServedPrompt",
     "TransferResult",

@@ -58,9 +58,12 @@ class EngineAdapter(ABC):
             Capability.LONG_SESSION,
         }
     )
-    default_block_size: int = 16  # a launch profile may set an instance's own
-    # Serving engines compute at least the last prompt token, so a fully cached prompt hits
-    # one block less; pure cache stores return every stored block.
+    # The granularity of prefix reuse, in tokens; 1 for an engine that reuses any common prefix
+    # token by token (no blocks). A launch profile may set an instance's own.
+    default_block_size: int = 16
+    # What a fully cached prompt still computes (the last token's logits): LastToken.BLOCK (or
+    # True) the whole last block, LastToken.TOKEN only the last token, LastToken.NONE nothing
+    # (a cache store returns every stored block); the hit oracle follows it.
     recomputes_last_token: ClassVar[bool | LastToken] = True
     # Logical metric -> this engine's metric name (Prometheus sample name).
     metric_names: ClassVar[dict[str, str]] = {}
@@ -284,7 +287,12 @@ class EngineAdapter(ABC):
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         """Serve one prompt as a serving engine would: look up its prefix, compute the rest,
-        keep the result cached. Reports the cached tokens the engine itself claims."""
+        keep the result cached. Reports the cached tokens the engine itself claims.
+
+        `tokens` are token ids (kvconform.prompts: ids 10..3999, so a model needs a vocabulary
+        of at least 4000), sent as given (no BOS added). With ANSWERS_FROM_KV the answer is
+        greedy (temperature 0), `max_tokens` long (EOS ignored), its token ids in
+        ServedPrompt.output."""
         raise NotImplementedError
 
     def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:

@@ -11,7 +11,9 @@ class Capability(StrEnum):
     # prefix reuse
     PREFIX_CACHE = "prefix_cache"  # serve_prompt() reports cached tokens per request
     PREFIX_HIT_COUNTERS = "prefix_hit_counters"  # engine-wide queried/hit token counters
-    ANSWERS_FROM_KV = "answers_from_kv"  # a model computes the answer from the KV (greedy token ids)
+    # A model computes the answer from the KV: serve_prompt returns max_tokens greedy token ids
+    # in ServedPrompt.output (the suites compare 8 of them, from cache and computed in full).
+    ANSWERS_FROM_KV = "answers_from_kv"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     BLOCK_SIZE_CONFIG = "block_size_config"  # can run at a chosen block size
     RESTART = "restart"  # the suite owns the processes and can stop/start them

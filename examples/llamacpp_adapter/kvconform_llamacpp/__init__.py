@@ -1,0 +1,1 @@
+"""A kvconform adapter for llama.cpp's llama-server, kept outside kvconform's tree."""
