@@ -29,6 +29,7 @@ Why a measure is not proven on the engine, where that is known (the proof table 
     check = "memory_reclaim::test_long_session_bounded"
     measure = "rss_slope_per_turn"
     reason = "..."
+    engines = ["lmcache-redis"]              # optional: where the catalog serves several engines
 
 and, for an engine with no mutants at all, a top-level `no_mutants = "why"`.
 """
@@ -108,7 +109,11 @@ def unproven_reasons(engine: str) -> dict[str, str]:
     if path is None:
         return {}
     data = tomllib.loads(path.read_text())
-    reasons = {f"{u['check']} :: {u['measure']}": str(u["reason"]) for u in data.get("unproven", [])}
+    reasons = {
+        f"{u['check']} :: {u['measure']}": str(u["reason"])
+        for u in data.get("unproven", [])
+        if engine in u.get("engines", [engine])
+    }
     if data.get("no_mutants"):
         reasons["*"] = str(data["no_mutants"])
     return reasons
