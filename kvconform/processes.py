@@ -31,6 +31,9 @@ from kvconform.errors import EngineStartError
 from kvconform.memory import shm_held_by
 
 SHM_DIR = Path("/dev/shm")
+# How long a /dev/shm file no process of this tree was seen holding may take to go away on its
+# own before it counts as this tree's leftover (a resource tracker unlinks within ~0.1 s).
+SHM_SETTLE_S = 3.0
 _LIVE: set[EngineProcess] = set()
 _LIVE_LOCK = threading.Lock()
 _PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "kvconform-ports"
@@ -288,20 +291,35 @@ class EngineProcess:
                 proc.kill()
 
     def _leftover_shm(self, leftover_pids: set[int]) -> dict[str, int]:
-        candidates = set(self._held_shm)
-        candidates |= set(_shm_listing(self.shm_patterns)) - set(self._shm_before)
+        # Files this tree was seen holding are its own; files that only appeared meanwhile
+        # (matching its patterns, held by no one) may be another engine's on this machine.
+        unattributed = set(_shm_listing(self.shm_patterns)) - set(self._shm_before) - self._held_shm
+        candidates = (self._held_shm | unattributed) - self._held_by_others(leftover_pids)
+        # A leftover is a file that stays. Another engine's file is held by no one in the
+        # instant between its last process unmapping it and its resource tracker unlinking it
+        # (seen in CI: a concurrent vLLM server's psm_* ring counted as ours): let those settle.
+        deadline = time.monotonic() + SHM_SETTLE_S
+        while time.monotonic() < deadline:
+            unsettled = {name for name in candidates & unattributed if (SHM_DIR / name).exists()}
+            if not unsettled:
+                break
+            time.sleep(0.1)
+        if candidates & unattributed:
+            candidates -= self._held_by_others(leftover_pids)
+        left = {}
+        for name in sorted(candidates):
+            with contextlib.suppress(OSError):
+                left[name] = (SHM_DIR / name).stat().st_size
+        return left
+
+    def _held_by_others(self, leftover_pids: set[int]) -> set[str]:
         # A file another live process still holds is not this tree's leftover: an LMCache
         # server maps segments its clients created, and a vLLM server another session is
         # starting on this machine owns the psm_* ring created meanwhile. Deleting those would
         # break an engine that is not ours (seen: concurrent vLLM starts failing to attach).
         own = {self.pid, os.getpid(), *self._known, *leftover_pids}
         others = [proc.pid for proc in psutil.process_iter() if proc.pid not in own]
-        candidates -= set(shm_held_by(others))
-        left = {}
-        for name in sorted(candidates):
-            with contextlib.suppress(OSError):
-                left[name] = (SHM_DIR / name).stat().st_size
-        return left
+        return set(shm_held_by(others))
 
 
 def wait_until_ready(

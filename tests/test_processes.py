@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -159,6 +160,32 @@ def test_orphans_in_the_group_are_found_even_if_never_seen(launch_tree: Launcher
     assert not report.forced_kill  # SIGTERM to the group was enough
     assert shm_name in report.leftover_shm, "the orphans' segment is a leftover of the engine"
     assert not (SHM_DIR / shm_name).exists()
+
+
+def test_another_engines_file_that_goes_away_is_not_a_leftover(tmp_path: Path) -> None:
+    """Another engine's segment appears meanwhile and is unlinked by its own tracker a moment
+    after this tree stopped: not this tree's leftover, and not deleted by us. A file that
+    stays is one (CI, 2026-12-04: a concurrent vLLM server's psm_* ring was counted)."""
+    passing = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-passing-{uuid.uuid4().hex[:8]}"
+    staying = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-staying-{uuid.uuid4().hex[:8]}"
+    proc = EngineProcess(
+        "fake-server",
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        tmp_path / "s.log",
+        shm_patterns=[f"{SHM_PREFIX}{os.getpid()}-*"],
+    )
+    try:
+        passing.write_bytes(b"x" * 4096)
+        staying.write_bytes(b"y" * 4096)
+        timer = threading.Timer(0.5, passing.unlink)
+        timer.start()
+        report = proc.stop(grace_s=2.0)
+        timer.join()
+    finally:
+        proc.stop(grace_s=1)
+        passing.unlink(missing_ok=True)
+        staying.unlink(missing_ok=True)
+    assert report.leftover_shm == {staying.name: 4096}
 
 
 def test_wait_until_ready_fails_fast_when_the_process_dies(tmp_path: Path) -> None:
