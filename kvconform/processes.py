@@ -37,6 +37,9 @@ SHM_SETTLE_S = 3.0
 _LIVE: set[EngineProcess] = set()
 _LIVE_LOCK = threading.Lock()
 _PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "kvconform-ports"
+# What each engine tree of this machine's kvconform runs was seen holding in /dev/shm, one file
+# per tree ("<harness pid>-<engine pid>"), so a teardown never counts another run's files.
+SHM_CLAIMS_DIR = Path(tempfile.gettempdir()) / "kvconform-shm-claims"
 _held_port_locks: dict[int, int] = {}
 
 
@@ -195,8 +198,35 @@ class EngineProcess:
         for proc in procs.values():
             with contextlib.suppress(psutil.Error):
                 self._known.setdefault(proc.pid, proc.create_time())
-        self._held_shm |= set(shm_held_by(procs))
+        held = set(shm_held_by(procs))
+        if not held <= self._held_shm:
+            self._held_shm |= held
+            self._publish_claim()
         return list(procs.values())
+
+    @property
+    def _claim_path(self) -> Path:
+        return SHM_CLAIMS_DIR / f"{os.getpid()}-{self.pid}"
+
+    def _publish_claim(self) -> None:
+        with contextlib.suppress(OSError):
+            SHM_CLAIMS_DIR.mkdir(exist_ok=True)
+            staged = self._claim_path.with_suffix(".staged")
+            staged.write_text("\n".join(sorted(self._held_shm)))
+            os.replace(staged, self._claim_path)
+
+    def _claimed_by_others(self) -> set[str]:
+        names: set[str] = set()
+        for path in SHM_CLAIMS_DIR.glob("*-*"):
+            if path == self._claim_path or path.suffix:
+                continue
+            harness = path.name.split("-", 1)[0]
+            if not harness.isdigit() or not psutil.pid_exists(int(harness)):
+                path.unlink(missing_ok=True)  # a run that died without its teardown
+                continue
+            with contextlib.suppress(OSError):
+                names |= set(path.read_text().split())
+        return names
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.refresh_tree()]
@@ -239,6 +269,7 @@ class EngineProcess:
         for name in report.leftover_shm:
             with contextlib.suppress(OSError):
                 (SHM_DIR / name).unlink()
+        self._claim_path.unlink(missing_ok=True)
         self._log.close()
         if self._own_tmpdir is not None:
             shutil.rmtree(self._own_tmpdir, ignore_errors=True)
@@ -291,13 +322,15 @@ class EngineProcess:
                 proc.kill()
 
     def _leftover_shm(self, leftover_pids: set[int]) -> dict[str, int]:
-        # Files this tree was seen holding are its own; files that only appeared meanwhile
-        # (matching its patterns, held by no one) may be another engine's on this machine.
+        # Files this tree was seen holding are its own. Files that only appeared meanwhile
+        # (matching its patterns, held by no one) may be another engine's on this machine, in
+        # the gap between its last process unmapping them and its resource tracker unlinking
+        # them (CI at 309ae1f: a concurrent vLLM server's psm_* ring counted against
+        # vllm-lmcache). Another run's tree claimed them if it ever held them; the rest must
+        # stay a moment to be leftovers.
         unattributed = set(_shm_listing(self.shm_patterns)) - set(self._shm_before) - self._held_shm
+        unattributed -= self._claimed_by_others()
         candidates = (self._held_shm | unattributed) - self._held_by_others(leftover_pids)
-        # A leftover is a file that stays. Another engine's file is held by no one in the
-        # instant between its last process unmapping it and its resource tracker unlinking it
-        # (seen in CI: a concurrent vLLM server's psm_* ring counted as ours): let those settle.
         deadline = time.monotonic() + SHM_SETTLE_S
         while time.monotonic() < deadline:
             unsettled = {name for name in candidates & unattributed if (SHM_DIR / name).exists()}

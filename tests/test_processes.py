@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from kvconform.errors import EngineStartError
-from kvconform.processes import SHM_DIR, EngineProcess, free_port, wait_until_ready
+from kvconform.processes import SHM_CLAIMS_DIR, SHM_DIR, EngineProcess, free_port, wait_until_ready
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TREE = FIXTURES / "engine_tree.py"
@@ -186,6 +186,30 @@ def test_another_engines_file_that_goes_away_is_not_a_leftover(tmp_path: Path) -
         passing.unlink(missing_ok=True)
         staying.unlink(missing_ok=True)
     assert report.leftover_shm == {staying.name: 4096}
+
+
+def test_a_file_another_runs_engine_held_is_not_a_leftover(tmp_path: Path) -> None:
+    """Another run's engine (here: a claim under this test's parent's pid) held a segment that
+    outlives this tree's teardown: not counted here, and left for its owner to remove."""
+    theirs = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-theirs-{uuid.uuid4().hex[:8]}"
+    claim = SHM_CLAIMS_DIR / f"{os.getppid()}-{uuid.uuid4().int % 10**6}"
+    proc = EngineProcess(
+        "fake-server",
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        tmp_path / "s.log",
+        shm_patterns=[f"{SHM_PREFIX}{os.getpid()}-*"],
+    )
+    try:
+        theirs.write_bytes(b"z" * 4096)
+        SHM_CLAIMS_DIR.mkdir(exist_ok=True)
+        claim.write_text(theirs.name)
+        report = proc.stop(grace_s=2.0)
+        assert theirs.exists()
+    finally:
+        proc.stop(grace_s=1)
+        theirs.unlink(missing_ok=True)
+        claim.unlink(missing_ok=True)
+    assert report.leftover_shm == {}
 
 
 def test_wait_until_ready_fails_fast_when_the_process_dies(tmp_path: Path) -> None:
