@@ -14,6 +14,7 @@ from kvconform.adapters.lmcache.adapter import LmcacheAdapter
 from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
 from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.adapters.vllm.adapter import SHUTDOWN_GRACE_S, VllmAdapter
+from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import UsageError
 from kvconform.metrics import MetricSnapshot
@@ -112,6 +113,17 @@ def test_vllm_default_profile_keeps_the_tiny_cpu_model(tmp_path: Path):
     # the tiny model's own seeded weights are loaded (the dummy format's answers ignore the KV)
     assert "--load-format" not in argv and "--kv-cache-memory-bytes 8388608" in " ".join(argv)
     assert adapter.served_model_name() == "tiny" and adapter.kv_pool_bytes() == 8 * 2**20
+
+
+def test_tiny_model_dtype_follows_the_kv_bytes_the_oracles_use(tmp_path: Path):
+    """The dtype is stated once (model.dtype_bytes): the launch cannot disagree with the oracle."""
+    for adapter, dtype in (
+        (VllmAdapter(AdapterContext(workdir=tmp_path)), "bfloat16"),
+        (VllmLmcacheAdapter(AdapterContext(workdir=tmp_path)), "float32"),
+    ):
+        argv = adapter.command_argvs()[0]
+        assert argv[argv.index("--dtype") + 1] == dtype
+        assert adapter.model.dtype_bytes == {"bfloat16": 2, "float32": 4}[dtype]
 
 
 def test_vllm_gets_a_stop_grace_a_profile_may_override(tmp_path: Path):

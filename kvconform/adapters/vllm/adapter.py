@@ -69,6 +69,8 @@ def check(argv):
 # "Unregistering kv caches"); unloaded, the UNREGISTER wins. A race is no verdict: a restart is
 # judged as a stop that is given time, and the default's race is recorded in docs/findings.md.
 SHUTDOWN_GRACE_S = 10
+# The tiny CPU model's --dtype, from the KV bytes per element the byte oracles use (model).
+TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
 
 
 class VllmAdapter(RestartChurn, EngineAdapter):
@@ -76,7 +78,6 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
-    tiny_model_dtype: ClassVar[str] = "bfloat16"  # --dtype of the tiny CPU model; model.dtype_bytes agrees
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -221,9 +222,8 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             "replay_endpoint": replay,
         }
         if self.profile.is_default:
-            argv = serve_command(
-                Path("vllm"), Path(model or self.model_dir()), block, port, self.tiny_model_dtype
-            )[1:]
+            dtype = TINY_MODEL_DTYPES[self.model.dtype_bytes]
+            argv = serve_command(Path("vllm"), Path(model or self.model_dir()), block, port, dtype)[1:]
         else:
             argv = ["serve", *profile_serve_args(self.profile, block, port)]
         argv += ["--kv-events-config", json.dumps(kv_events), "--disable-uvicorn-access-log"]

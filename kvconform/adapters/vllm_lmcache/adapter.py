@@ -71,8 +71,7 @@ class VllmLmcacheAdapter(VllmAdapter):
     # cold prefill, and in bfloat16 the two round apart enough to flip a near-tie of the tiny
     # model's greedy answer (measured: 3 of 40, 1 of 60 repeats under load answered otherwise
     # from their first tokens; the second warm answer always equal to the first). In float32
-    # 0 of 120. What is judged (answer_from_cache_vs_cold) is unchanged.
-    tiny_model_dtype = "float32"
+    # 0 of 120. What is judged (answer_from_cache_vs_cold) is unchanged. 4 bytes: --dtype float32.
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=4)
 
     def __init__(self, ctx: AdapterContext) -> None:
