@@ -56,6 +56,11 @@ class VllmLmcacheAdapter(VllmAdapter):
             C.HOST_MEMORY,
             C.CACHE_SALT,  # vLLM's request salt keys LMCache's chunks too (lmcache_mp_metadata.py:85)
             C.INSTANCE_REGISTRY,  # vLLM instances register with the LMCache server
+            # vLLM's blocks (medium GPU) on vLLM's stream. The connector would add LMCache's
+            # chunks (medium CPU, a resident set of their own in the ledger), but in the
+            # engine_driven mode run here none come: see inventory.toml kv_events.
+            C.KV_EVENTS,
+            C.ABORT_REQUESTS,  # with the connector's delayed free (request_finished -> True)
         }
     )
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
