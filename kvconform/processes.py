@@ -93,6 +93,7 @@ class TeardownReport:
     forced_kill: bool
     leftover_processes: list[str] = field(default_factory=list)
     leftover_shm: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the engine's own log said of its stop
 
     @property
     def clean(self) -> bool:
@@ -106,7 +107,7 @@ class TeardownReport:
             parts.append(f"left processes {self.leftover_processes}")
         if self.leftover_shm:
             parts.append(f"left /dev/shm files {self.leftover_shm}")
-        return "; ".join(parts)
+        return "; ".join(parts + self.notes)
 
 
 class EngineProcess:

@@ -13,12 +13,13 @@ from kvconform import envs
 from kvconform.adapters.lmcache.adapter import LmcacheAdapter
 from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
 from kvconform.adapters.trtllm.adapter import TrtllmAdapter
-from kvconform.adapters.vllm.adapter import SHUTDOWN_GRACE_S, VllmAdapter
+from kvconform.adapters.vllm.adapter import FORCED_SHUTDOWN_NOTE, SHUTDOWN_GRACE_S, VllmAdapter
 from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import UsageError
 from kvconform.metrics import MetricSnapshot
 from kvconform.plugin.session import load_profiles
+from kvconform.processes import TeardownReport
 
 pytestmark = pytest.mark.engine_env  # parses/runs in built engine environments (tests/engine_envs.py)
 ADAPTERS = Path(__file__).resolve().parents[1] / "kvconform" / "adapters"
@@ -239,3 +240,29 @@ def test_vllm_lazy_offload_gauges_read_0_only_until_a_transfer_is_logged(tmp_pat
     assert adapter.metric("offload_store_bytes", empty) == 0.0
     earlier = MetricSnapshot(taken_at=time.time() - 9)  # scraped 1 s after it started
     assert adapter.metric("offload_write_usage", earlier) == 0.0
+
+
+class _StoppingServer:
+    """A LaunchedServer stand-in whose stop writes what vLLM logs when its grace ran out."""
+
+    def __init__(self, log: Path, forced: bool) -> None:
+        self.process = type("P", (), {"log_path": log})()
+        self.forced = forced
+
+    def stop(self) -> TeardownReport:
+        with open(self.process.log_path, "a") as log:
+            log.write("[shutdown] Process manager: send sigterm to process EngineCore\n")
+            if self.forced:
+                log.write("[shutdown] Process manager: force killing remaining process EngineCore pid 7\n")
+        return TeardownReport("vllm-serve", 0, 10.3, False, leftover_shm={"psm_x": 167772180})
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_vllm_teardown_names_its_own_forced_kill(tmp_path: Path, forced: bool):
+    """A psm_* leftover after vLLM ran out of its own stop grace says so (CI at 309ae1f: 10.3 s)."""
+    log = tmp_path / "vllm-serve.log"
+    log.write_text("(APIServer) force killing remaining process EngineCore pid 1\n")  # an earlier stop's
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    adapter.server = _StoppingServer(log, forced)  # type: ignore[assignment]
+    (report,) = adapter.stop()
+    assert (FORCED_SHUTDOWN_NOTE in report.describe()) is forced

@@ -69,6 +69,15 @@ def check(argv):
 # "Unregistering kv caches"); unloaded, the UNREGISTER wins. A race is no verdict: a restart is
 # judged as a stop that is given time, and the default's race is recorded in docs/findings.md.
 SHUTDOWN_GRACE_S = 10
+# What vLLM logs when its --shutdown-timeout ran out (vllm/v1/utils.py shutdown()): it then
+# SIGKILLs the EngineCore's whole tree (utils/system_utils.py kill_process_tree), Python's
+# resource tracker included, so the psm_* ring the EngineCore created is never unlinked.
+FORCED_SHUTDOWN = "force killing remaining process"
+FORCED_SHUTDOWN_NOTE = (
+    "vLLM's own stop ran out of its --shutdown-timeout and SIGKILLed its EngineCore "
+    "tree (logged '[shutdown] ... force killing remaining process'): nothing then unlinks the "
+    "EngineCore's psm_* ring"
+)
 # The tiny CPU model's --dtype, from the KV bytes per element the byte oracles use (model).
 TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
 
@@ -465,7 +474,14 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         reports = []
         self._serving = False
         if self.server is not None:
-            reports.append(self.server.stop())
+            log = self.server.process.log_path
+            start = log.stat().st_size if log.exists() else 0
+            report = self.server.stop()
+            with open(log, "rb") as tail:
+                tail.seek(start)
+                if FORCED_SHUTDOWN in tail.read().decode("utf-8", "replace"):
+                    report.notes.append(FORCED_SHUTDOWN_NOTE)
+            reports.append(report)
             self.server = None
         self.close_event_subscriber()
         self.config = None
