@@ -301,7 +301,10 @@ FAULTS: dict[str, Fault] = {
     ),
     "queries_counted_on_miss_only": Fault(
         "the prefix-query counter counts only the tokens that missed the device cache",
-        ("prefix_reuse::test_repeated_prompt_served_from_cache",),
+        (
+            "prefix_reuse::test_repeated_prompt_served_from_cache",
+            "prefix_reuse::test_partial_block_prefix_hits_match_oracle*",
+        ),
         "a lookup counter incremented on the miss path only (hit rate computed from it inflates)",
         ("prefix_queries_counter_delta",),
     ),
