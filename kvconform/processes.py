@@ -326,19 +326,14 @@ class EngineProcess:
         # Files this tree was seen holding are its own. Files that only appeared meanwhile
         # (matching its patterns, held by no one) may be another engine's on this machine, in
         # the gap between its last process unmapping them and its resource tracker unlinking
-        # them (CI at 309ae1f: a concurrent vLLM server's psm_* ring counted against
-        # vllm-lmcache). Another run's tree claimed them if it ever held them; the rest must
-        # stay a moment to be leftovers.
+        # them: a run whose tree ever held one claimed it; the rest must stay a moment to count.
         unattributed = set(_shm_listing(self.shm_patterns)) - set(self._shm_before) - self._held_shm
         unattributed -= self._claimed_by_others()
         candidates = (self._held_shm | unattributed) - self._held_by_others(leftover_pids)
-        deadline = time.monotonic() + SHM_SETTLE_S
-        while time.monotonic() < deadline:
-            unsettled = {name for name in candidates & unattributed if (SHM_DIR / name).exists()}
-            if not unsettled:
-                break
-            time.sleep(0.1)
-        if candidates & unattributed:
+        if pending := candidates & unattributed:
+            deadline = time.monotonic() + SHM_SETTLE_S
+            while time.monotonic() < deadline and any((SHM_DIR / n).exists() for n in pending):
+                time.sleep(0.1)
             candidates -= self._held_by_others(leftover_pids)
         left = {}
         for name in sorted(candidates):

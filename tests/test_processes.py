@@ -162,18 +162,23 @@ def test_orphans_in_the_group_are_found_even_if_never_seen(launch_tree: Launcher
     assert not (SHM_DIR / shm_name).exists()
 
 
-def test_another_engines_file_that_goes_away_is_not_a_leftover(tmp_path: Path) -> None:
-    """Another engine's segment appears meanwhile and is unlinked by its own tracker a moment
-    after this tree stopped: not this tree's leftover, and not deleted by us. A file that
-    stays is one (CI, 2026-12-04: a concurrent vLLM server's psm_* ring was counted)."""
-    passing = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-passing-{uuid.uuid4().hex[:8]}"
-    staying = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-staying-{uuid.uuid4().hex[:8]}"
-    proc = EngineProcess(
+def _sleeper_watching_test_shm(tmp_path: Path) -> EngineProcess:
+    """A process that holds nothing, watching this test's /dev/shm names as its own patterns."""
+    return EngineProcess(
         "fake-server",
         [sys.executable, "-c", "import time; time.sleep(30)"],
         tmp_path / "s.log",
         shm_patterns=[f"{SHM_PREFIX}{os.getpid()}-*"],
     )
+
+
+def test_another_engines_file_that_goes_away_is_not_a_leftover(tmp_path: Path) -> None:
+    """Another engine's segment appears meanwhile and is unlinked by its own tracker a moment
+    after this tree stopped: not this tree's leftover, and not deleted by us. A file that
+    stays is one."""
+    passing = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-passing-{uuid.uuid4().hex[:8]}"
+    staying = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-staying-{uuid.uuid4().hex[:8]}"
+    proc = _sleeper_watching_test_shm(tmp_path)
     try:
         passing.write_bytes(b"x" * 4096)
         staying.write_bytes(b"y" * 4096)
@@ -193,12 +198,7 @@ def test_a_file_another_runs_engine_held_is_not_a_leftover(tmp_path: Path) -> No
     outlives this tree's teardown: not counted here, and left for its owner to remove."""
     theirs = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-theirs-{uuid.uuid4().hex[:8]}"
     claim = SHM_CLAIMS_DIR / f"{os.getppid()}-{uuid.uuid4().int % 10**6}"
-    proc = EngineProcess(
-        "fake-server",
-        [sys.executable, "-c", "import time; time.sleep(30)"],
-        tmp_path / "s.log",
-        shm_patterns=[f"{SHM_PREFIX}{os.getpid()}-*"],
-    )
+    proc = _sleeper_watching_test_shm(tmp_path)
     try:
         theirs.write_bytes(b"z" * 4096)
         SHM_CLAIMS_DIR.mkdir(exist_ok=True)
