@@ -146,13 +146,15 @@ class ReferenceAdapter(EngineAdapter):
         for fault in self.faults:
             argv += ["--fault", fault]
         url = f"http://127.0.0.1:{port}"
+        inherited_path = os.environ.get("PYTHONPATH")
         server = LaunchedServer(
             self.name,
             name,
             argv,
             self.ctx.workdir,
             f"{url}/health",
-            env={"PYTHONPATH": str(PACKAGE_PARENT)},
+            # after ours, what the caller's PYTHONPATH holds (a GPU runner's carried wheels)
+            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), inherited_path]))},
             timeout_s=self.ctx.start_timeout_s,
             session=self.http,
         )
@@ -275,14 +277,28 @@ class ReferenceAdapter(EngineAdapter):
         if path == "close":
             return {"teardown": self._restart_server(path)}
         self._client_died(instance_id)
-        return {"reaped_after_s": self._wait_reaped(instance_id)}
+        reaped_after_s = self._wait_reaped(instance_id)
+        self._free_dead_exports()
+        return {"reaped_after_s": reaped_after_s}
 
     def _client_died(self, instance_id: str) -> None:
         """The exporting client is gone: its side of the memory goes with it."""
         name, _size = self.exports.pop(instance_id, (None, 0))
         if name:
             (SHM_DIR / name).unlink(missing_ok=True)
-        self.gpu_exports.pop(instance_id, None)
+        self.gpu_exports.pop(instance_id, None)  # freed once the engine lets go: _free_dead_exports
+
+    def _free_dead_exports(self) -> None:
+        """A dead client's CUDA memory goes back to the driver with its process. Ours lives
+        on, so a tensor it dropped while the engine still held the import waits in torch's
+        sent-tensor limbo until the exporter collects it (torch.cuda.ipc_collect, an exporter
+        call) and returns its cache; without this the device-wide figure counts our own
+        allocator (measured on an H200: one 20 MiB segment, docs/gpu-measurements.md)."""
+        if self.gpu_exports_enabled():
+            import torch
+
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
 
     def _wait_reaped(self, instance_id: str) -> float | None:
         t0 = time.monotonic()
@@ -303,8 +319,9 @@ class ReferenceAdapter(EngineAdapter):
         self.churn_leftovers[path]["shm_bytes"] += sum(
             size for name, size in report.leftover_shm.items() if name not in exported
         )
-        for instance_id in list(self.exports):
+        for instance_id in [*self.exports, *self.gpu_exports]:
             self._client_died(instance_id)  # the clients of a closed server go too
+        self._free_dead_exports()
         self.server = None
         self.close_event_subscriber()
         self.server, self.base_url = self._launch("reference", config, events=True)

@@ -141,16 +141,6 @@ FAULTS: dict[str, Fault] = {
             "engine_rss_bytes.leak_slope",
         ),
     ),
-    "no_ipc_collect": Fault(
-        "released CUDA imports are dropped but torch.cuda.ipc_collect() never runs, so the "
-        "exporter cannot free what it shared; on hosts there is no IPC collect step, so the "
-        "fault changes nothing there (GPU-only: left out of the CPU matrix, proved by "
-        "tests/gpu/test_cuda_reclaim.py on GPU runners)",
-        ("memory_reclaim::test_churn_returns_to_baseline[unregister]",),
-        "LMCache #4015: _release_entries without empty_cache()/ipc_collect()",
-        ("gpu_device_used_bytes.final_delta", "gpu_device_used_bytes.leak_slope"),
-        needs="gpu",
-    ),
     "reaper_never_reaps": Fault(
         "the reaper sees instances whose client stopped heartbeating and never releases them",
         ("memory_reclaim::test_churn_returns_to_baseline[reaper]",),

@@ -3,8 +3,11 @@
 On hosts, a client exports KV memory as a POSIX shared-memory file and the engine imports it
 by mapping the file. On GPUs, the client exports a CUDA tensor over CUDA IPC (torch's own
 tensor reduction) and the engine imports it. Unregister moves the import to a release batch;
-the collect step closes mappings and drops tensors, then calls torch.cuda.ipc_collect() so the
-exporter can really free its memory (LMCache #4015 is that last step missing).
+the collect step closes mappings and drops tensors, after which the exporter can free its
+memory (LMCache #4015: an import that stays referenced keeps the exporter's memory). No
+torch.cuda.ipc_collect() here: it empties the exporter's own sent-tensor limbo
+(torch/csrc/CudaIPCTypes.cpp), so an importer calling it changes nothing (measured on an
+H200, docs/gpu-measurements.md).
 
 Each registered instance also gets a staging segment of the engine's own in /dev/shm (the
 bounce buffer loads go through); the engine unlinks it on unregister, on reap and on close.
@@ -209,16 +212,11 @@ class InstanceRegistry:
                 self.collect()
 
     def collect(self) -> int:
-        """Close released imports; on GPUs, then torch.cuda.ipc_collect() so the exporter can
-        free what it shared (no_ipc_collect skips that call, a no-op on hosts)."""
+        """Close released imports, so their exporters can free what they shared."""
         with self.lock:
             released, self.pending_release = self.pending_release, []
         for imported in released:
             imported.release()
-        if released and "no_ipc_collect" not in self.faults and _cuda_in_use():
-            import torch
-
-            torch.cuda.ipc_collect()
         return len(released)
 
     def mapped_bytes(self) -> int:
@@ -316,10 +314,3 @@ def live_tensor_bytes() -> int:
             key = (str(storage.device), storage.data_ptr())
             seen[key] = max(seen.get(key, 0), storage.nbytes())
     return sum(seen.values())
-
-
-def _cuda_in_use() -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
