@@ -16,7 +16,7 @@ from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.adapters.vllm.adapter import FORCED_SHUTDOWN_NOTE, SHUTDOWN_GRACE_S, VllmAdapter
 from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
-from kvconform.errors import UsageError
+from kvconform.errors import EngineError, UsageError
 from kvconform.metrics import MetricSnapshot
 from kvconform.plugin.session import load_profiles
 from kvconform.processes import TeardownReport
@@ -266,3 +266,19 @@ def test_vllm_teardown_names_its_own_forced_kill(tmp_path: Path, forced: bool):
     adapter.server = _StoppingServer(log, forced)  # type: ignore[assignment]
     (report,) = adapter.stop()
     assert (FORCED_SHUTDOWN_NOTE in report.describe()) is forced
+
+
+def test_vllm_requests_in_flight_reads_the_scheduler_gauges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Running + waiting from vLLM's own gauges; a scrape without them is an error naming vLLM."""
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    snap = MetricSnapshot(taken_at=time.time())
+    snap.samples = {
+        "vllm:num_requests_running": {frozenset({("engine", "0")}): 3.0},
+        "vllm:num_requests_waiting": {frozenset({("engine", "0")}): 1.0},
+    }
+    monkeypatch.setattr(adapter, "metrics", lambda: snap)
+    monkeypatch.setattr(adapter, "log_tail", lambda: "")
+    assert adapter.requests_in_flight() == 4
+    del snap.samples["vllm:num_requests_waiting"]
+    with pytest.raises(EngineError, match="vllm:num_requests_waiting"):
+        adapter.requests_in_flight()

@@ -520,6 +520,16 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")
 
+    def requests_in_flight(self) -> int | None:
+        """Running plus waiting requests by the scheduler's own count: vllm:num_requests_running
+        and vllm:num_requests_waiting, set from the SchedulerStats the EngineCore sends with
+        its outputs (vllm/v1/metrics/loggers.py PrometheusStatLogger.record)."""
+        snap = self.metrics()
+        missing = [n for n in ("vllm:num_requests_running", "vllm:num_requests_waiting") if not snap.has(n)]
+        if missing:
+            raise EngineError(self.name, f"/metrics lacks {', '.join(missing)}", self.log_tail())
+        return round(snap.value("vllm:num_requests_running") + snap.value("vllm:num_requests_waiting"))
+
     def kv_pool_bytes(self) -> int:
         """The KV pool: the bytes the profile (or the default) gives vLLM; with a GPU memory
         fraction, the blocks vLLM allocated (vllm:cache_config_info num_gpu_blocks) times the block bytes."""
