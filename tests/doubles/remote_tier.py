@@ -245,7 +245,7 @@ FAULTS: dict[str, Fault] = {
         (_PENDING,),
         "LMCache 0.5.6 RESP L2 adapter: after Redis refused writes (OOM), stores keep failing "
         "('Store task N to adapter 0 failed') on a store that takes writes again",
-        ("remote_objects_after_refusals_end",),
+        ("l2_objects_completed_after_refusals_end",),
     ),
     "l1_gauge_counts_l2_staging": Fault(
         "the L1 usage gauge also counts the staging copy each L2 write makes of a chunk, and "

@@ -1,14 +1,18 @@
-"""LMCache's RESP (Redis) L2 stores nothing more after Redis refused one write (-OOM).
+"""LMCache's RESP (Redis) L2 fails every store after Redis refused one write (-OOM).
 
 Standalone: LMCache's own CLI (`lmcache server`, `lmcache bench server`) and Debian's
 `redis-server`, run with the interpreter of an environment that has `lmcache` installed. Starts
-a Redis and one LMCache server with the RESP L2 adapter, then runs the bench client three times,
-each with fresh token sequences:
+a Redis and one LMCache server with the RESP L2 adapter (one worker connection), then runs the
+bench client three times, each with fresh token sequences:
   1. Redis takes writes: the bench's chunks land in Redis (the keys Redis holds grow by N);
   2. Redis refuses writes (CONFIG SET maxmemory 1, noeviction): LMCache's stores get -OOM;
   3. Redis takes writes again (CONFIG SET maxmemory 0; a plain SET succeeds): the new chunks
-     should land as in 1.
-Exit 1 while the bug is there (step 3 lands 0 of N), 0 if step 3 lands N, 2 if the setup failed.
+     should be stored as in 1.
+LMCache's side is what decides: in step 3 its server logs 'Store task N to adapter 0 failed'
+for every store task. Redis's key count understates the loss: each failed task still sends its
+first SET (Redis stores it) before it misreads the reply, so step 3 lands one key per task.
+Exit 1 while the bug is there (step 3 logs failed stores, or lands fewer keys than step 1),
+0 if step 3 stores everything, 2 if the setup failed.
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ def settled_dbsize(port: int, quiet_s: float = 3.0, timeout_s: float = 30.0) -> 
         if now != last:
             last, since = now, time.monotonic()
     return last
+
+
+def failed_stores(work: Path) -> int:
+    """Store tasks the LMCache server logged as failed so far."""
+    text = (work / "lmcache.log").read_text(errors="replace")
+    return sum("Store task" in line and "failed" in line for line in text.splitlines())
 
 
 def main() -> int:
@@ -198,17 +208,21 @@ def main() -> int:
         probe = redis(rport, "SET", "kvconform-probe", "x")
         redis(rport, "DEL", "kvconform-probe")
         before = dbsize(rport)
+        failed_before = failed_stores(work)
         bench(200)
         landed_again = settled_dbsize(rport) - before
+        failed_again = failed_stores(work) - failed_before
         print(
             f"3. Redis takes writes again (a plain SET answers {probe.strip()!r}): "
             f"{landed_again} new keys in Redis, expected {landed_first}"
         )
-        failed = sum("failed" in line for line in (work / "lmcache.log").read_text().splitlines())
-        print(f"   lmcache server log lines saying 'failed': {failed}")
-        wedged = landed_again < landed_first
+        print(f"   LMCache store tasks logged as failed in step 3: {failed_again}")
+        wedged = failed_again > 0 or landed_again < landed_first
         verdict = "BUG: " if wedged else "ok: "
-        print(f"{verdict}{landed_again} of {landed_first} chunks stored after the refusal")
+        print(
+            f"{verdict}{failed_again} store tasks failed after the refusal; "
+            f"{landed_again} of {landed_first} keys landed"
+        )
         return 1 if wedged else 0
     except Exception as exc:  # setup problems are not the bug
         print(f"setup failed: {type(exc).__name__}: {exc}")
