@@ -113,7 +113,7 @@ def is_new_failure(record: CheckResult) -> bool:
 class Cell:
     engine: str
     check: str
-    state: str  # pass | finding | failed | lacks | gpu | todo | skip | absent
+    state: str  # pass | finding | failed | lacks | gpu | elsewhere | todo | skip | absent
     text: str  # short, for the cell
     detail: str = ""  # longer, for a tooltip / the markdown's notes
     link: str = ""
@@ -147,6 +147,7 @@ def cell_of(record: CheckResult) -> Cell:
 _EMPTY_KIND = {
     inventory.LACKS: ("lacks", "n/a: engine lacks"),
     inventory.NEEDS_GPU: ("gpu", "needs a GPU:"),
+    inventory.ELSEWHERE: ("elsewhere", "judged on another configuration:"),
     inventory.NOT_IMPLEMENTED: ("todo", "not implemented:"),
 }
 
@@ -166,6 +167,8 @@ def skipped_cell(engine: str, check: str, record: CheckResult) -> Cell:
     assert inv is not None  # kind is HAS without one
     cells = [inv.cells[c] for c in missing if c in inv.cells and inv.cells[c].status == kind]
     named = ", ".join(c.capability.value for c in cells) or cap
+    if kind == inventory.ELSEWHERE:
+        named += " on " + ", ".join(sorted({c.judged_by for c in cells}))
     detail = "; ".join(f"{c.capability}: {c.note} ({c.source})" for c in cells)
     return Cell(engine, check, state, f"{label} {named}", detail)
 
@@ -266,6 +269,7 @@ _MARK = {
     "failed": "❌",
     "lacks": "—",
     "gpu": "🖥",
+    "elsewhere": "↪",
     "todo": "❗",
     "skip": "⏭",
     "absent": "",
@@ -273,9 +277,9 @@ _MARK = {
 
 
 def empty_cells(dash: Dashboard) -> dict[str, dict[str, int]]:
-    """Per engine, how many cells are empty of each kind (lacks, gpu, todo, skip)."""
+    """Per engine, how many cells are empty of each kind (lacks, gpu, elsewhere, todo, skip)."""
     out: dict[str, dict[str, int]] = {
-        e: dict.fromkeys(("lacks", "gpu", "todo", "skip"), 0) for e in dash.engines
+        e: dict.fromkeys(("lacks", "gpu", "elsewhere", "todo", "skip"), 0) for e in dash.engines
     }
     for (engine, _), cell in dash.cells.items():
         if cell.state in out.get(engine, {}):
@@ -287,6 +291,7 @@ def empty_line(dash: Dashboard, engine: str) -> str:
     n = empty_cells(dash)[engine]
     return (
         f"{n['lacks']} engine lacks (cited), {n['gpu']} need a GPU, "
+        f"{n['elsewhere']} judged on another configuration, "
         f"{n['todo']} not implemented, {n['skip']} other skips"
     )
 
@@ -316,7 +321,7 @@ def render_markdown(dash: Dashboard) -> str:
             row.append(text)
             if cell.state == "finding" and cell.detail:
                 notes.append(f"- {md_cell(engine)} `{md_cell(check)}`: {md_cell(cell.detail)}")
-            elif cell.state in ("lacks", "gpu", "todo") and cell.detail:
+            elif cell.state in ("lacks", "gpu", "elsewhere", "todo") and cell.detail:
                 empties.append(f"- {md_cell(engine)} `{md_cell(check)}`: {md_cell(cell.detail)}")
         lines.append("| " + " | ".join(row) + " |")
     if notes:
@@ -337,11 +342,11 @@ td.promise{color:#555;white-space:nowrap} td.cell{max-width:340px}
 td.pass{background:#dafbe1} td.finding{background:#fff1cc} td.failed{background:#ffd7d5}
 td.skip{background:#f3f4f6;color:#57606a} td.absent{color:#bbb;text-align:center}
 td.lacks{background:#fafafa;color:#8c959f} td.gpu{background:#eef4ff;color:#57606a}
-td.todo{background:#fde2ff;color:#6e2c73}
+td.todo{background:#fde2ff;color:#6e2c73} td.elsewhere{background:#f0f7f4;color:#3d6b57}
 .legend span{display:inline-block;padding:1px 8px;margin-right:6px;border:1px solid #d0d7de;font-size:12px}
 .legend .pass{background:#dafbe1} .legend .finding{background:#fff1cc} .legend .failed{background:#ffd7d5}
 .legend .skip{background:#f3f4f6} .legend .lacks{background:#fafafa} .legend .gpu{background:#eef4ff}
-.legend .todo{background:#fde2ff}
+.legend .todo{background:#fde2ff} .legend .elsewhere{background:#f0f7f4}
 """
 
 
@@ -384,6 +389,7 @@ def render_html(dash: Dashboard) -> str:
             ("failed", "failed (new)"),
             ("lacks", "n/a: the engine lacks the feature (cited)"),
             ("gpu", "needs a GPU (cannot run on this machine)"),
+            ("elsewhere", "judged on another configuration of the same release"),
             ("todo", "not implemented yet (the engine has it)"),
             ("skip", "skip (other reason)"),
             ("absent", "- not applicable"),

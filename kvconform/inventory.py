@@ -8,6 +8,9 @@ three things it is:
 - has: the adapter declares the capability; the checks that require it judge it;
 - lacks: the engine has no such feature at that release (the source says where);
 - needs_gpu: the engine has it only in a GPU build, so it cannot run on a CPU machine;
+- elsewhere: this configuration of the engine does not run the feature, another one of the
+  same release does and judges it (`judged_by` names it: SGLang's scheduler counters are
+  judged on its server, not on the in-process RadixCache);
 - not_implemented: the engine has it and the adapter does not reach it yet.
 
     kvconform inventory [--out docs/inventory.md]
@@ -30,7 +33,8 @@ from kvconform.formatting import md_cell
 
 FILE_NAME = "inventory.toml"
 HAS, LACKS, NEEDS_GPU, NOT_IMPLEMENTED = "has", "lacks", "needs_gpu", "not_implemented"
-STATUSES = (HAS, LACKS, NEEDS_GPU, NOT_IMPLEMENTED)
+ELSEWHERE = "elsewhere"
+STATUSES = (HAS, LACKS, NEEDS_GPU, ELSEWHERE, NOT_IMPLEMENTED)
 SUITES = Path(__file__).parent / "suites"
 
 
@@ -40,6 +44,7 @@ class Cell:
     status: str
     source: str
     note: str = ""
+    judged_by: str = ""  # ELSEWHERE: the engine (configuration) whose checks judge it
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,10 @@ def parse(engine: str, table: dict) -> EngineInventory:
             raise UsageError(f"inventory of {engine}: {key} cites no source")
         if status != HAS and not value.get("note"):
             raise UsageError(f"inventory of {engine}: {key} ({status}) says nothing in its note")
-        cells[capability] = Cell(capability, status, value["source"], value.get("note", ""))
+        judged_by = value.get("judged_by", "")
+        if (status == ELSEWHERE) != bool(judged_by):
+            raise UsageError(f"inventory of {engine}: {key} names judged_by if and only if it is {ELSEWHERE}")
+        cells[capability] = Cell(capability, status, value["source"], value.get("note", ""), judged_by)
     return EngineInventory(engine, table.get("release", "?"), table.get("machine", "cpu"), cells)
 
 
@@ -89,7 +97,7 @@ def skip_kind(inventory: EngineInventory | None, missing: Iterable[Capability]) 
     """Which kind of empty cell a skip for these missing capabilities is: the engine lacks one
     (nothing to judge), one needs a GPU, or one is not implemented yet."""
     statuses = {inventory.status(c) if inventory else NOT_IMPLEMENTED for c in missing}
-    for kind in (LACKS, NEEDS_GPU, NOT_IMPLEMENTED):
+    for kind in (LACKS, NEEDS_GPU, NOT_IMPLEMENTED, ELSEWHERE):
         if kind in statuses:
             return kind
     return HAS  # every missing capability is declared: missing in this mode only (attach)
@@ -147,7 +155,19 @@ def _asked(nodes: Iterable[ast.AST]) -> set[Capability]:
     return _named_in_calls(nodes, "has")
 
 
-_MARK = {HAS: "✅ has", LACKS: "— lacks", NEEDS_GPU: "GPU", NOT_IMPLEMENTED: "❗ not implemented"}
+_MARK = {
+    HAS: "✅ has",
+    LACKS: "— lacks",
+    NEEDS_GPU: "GPU",
+    ELSEWHERE: "↪ elsewhere",
+    NOT_IMPLEMENTED: "❗ not implemented",
+}
+
+
+def _mark(cell: Cell | None) -> str:
+    if cell is None:
+        return _MARK[NOT_IMPLEMENTED]
+    return f"↪ {cell.judged_by}" if cell.status == ELSEWHERE else _MARK[cell.status]
 
 
 def markdown(engines: list[str]) -> str:
@@ -161,6 +181,8 @@ def markdown(engines: list[str]) -> str:
         "A cell says whether the engine has the feature a check needs at the release named: "
         "**has** (the checks below judge it), **lacks** (the engine has no such feature; cited), "
         "**GPU** (only in a GPU build: cannot run on a CPU machine), "
+        "**↪ elsewhere** (this configuration does not run the feature; the engine named, another "
+        "configuration of the same release, judges it), "
         "**not implemented** (the engine has it, the adapter does not reach it yet).",
         "",
         "## Counts",
@@ -183,7 +205,7 @@ def markdown(engines: list[str]) -> str:
     lines.append("|---|---|" + "---|" * len(inventories))
     for capability in Capability:
         judged = len(checks[capability])
-        row = [_MARK[i.status(capability)] for i in inventories]
+        row = [_mark(i.cells.get(capability)) for i in inventories]
         lines.append(f"| `{capability}` | {judged} | " + " | ".join(row) + " |")
     lines += ["", "## Cells, cited", ""]
     for inv in inventories:
@@ -195,7 +217,7 @@ def markdown(engines: list[str]) -> str:
                 lines.append(f"| `{capability}` | {_MARK[NOT_IMPLEMENTED]} | (no cell) | |")
                 continue
             lines.append(
-                f"| `{capability}` | {_MARK[cell.status]} | {md_cell(cell.source)} | {md_cell(cell.note)} |"
+                f"| `{capability}` | {_mark(cell)} | {md_cell(cell.source)} | {md_cell(cell.note)} |"
             )
         lines.append("")
     lines += ["## Checks per capability", ""]

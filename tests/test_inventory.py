@@ -30,6 +30,21 @@ def test_every_capability_has_a_cell_and_has_means_declared(engine: str) -> None
     assert not any("/work/" in c.source or "/home/" in c.source for c in inv.cells.values())
 
 
+@pytest.mark.parametrize("engine", REAL_ENGINES)
+def test_elsewhere_names_a_configuration_of_the_same_release_that_judges_it(engine: str) -> None:
+    inv = inventory.load(engine)
+    assert inv is not None
+    for cell in inv.cells.values():
+        if cell.status != inventory.ELSEWHERE:
+            continue
+        other = inventory.load(cell.judged_by)
+        assert other is not None, f"{engine} {cell.capability}: judged_by {cell.judged_by!r} has no inventory"
+        assert other.release == inv.release, f"{engine} {cell.capability}: {other.release} != {inv.release}"
+        status = other.status(cell.capability)
+        where = f"{engine} {cell.capability}: {cell.judged_by}"
+        assert status == inventory.HAS, f"{where} does not judge it ({status})"
+
+
 def test_doc_is_up_to_date() -> None:
     assert DOC.read_text() == inventory.markdown(REAL_ENGINES), "run `kvconform inventory`"
 
@@ -43,6 +58,11 @@ def test_a_cell_without_status_source_or_note_is_refused() -> None:
         inventory.parse("e", {"prefix_cache": {"status": "lacks", "source": "x"}})
     with pytest.raises(UsageError, match="no capability"):
         inventory.parse("e", {"prefix_kache": {"status": "has", "source": "x"}})
+    with pytest.raises(UsageError, match="judged_by"):
+        inventory.parse("e", {"prefix_cache": {"status": "elsewhere", "source": "x", "note": "n"}})
+    with pytest.raises(UsageError, match="judged_by"):
+        cell = {"status": "lacks", "source": "x", "note": "n", "judged_by": "f"}
+        inventory.parse("e", {"prefix_cache": cell})
 
 
 def test_skip_kind_prefers_lacks_then_gpu_then_not_implemented() -> None:
@@ -77,7 +97,7 @@ def test_dashboard_tells_the_three_kinds_of_empty_cell_apart() -> None:
         assert inv is not None
         for cell in inv.cells.values():
             kinds.setdefault(cell.status, (engine, cell.capability))
-    for status, state in (("lacks", "lacks"), ("not_implemented", "todo")):
+    for status, state in (("lacks", "lacks"), ("not_implemented", "todo"), ("elsewhere", "elsewhere")):
         engine, capability = kinds[status]
         record = {
             "engine": engine,

@@ -32,6 +32,8 @@ from kvconform.processes import TeardownReport, free_port
 
 C = Capability
 L1_GB = 0.05  # the server's L1, as the lmcache adapter's
+# LMCache 0.5.6's L1 eviction loop runs every second (the lmcache adapter's measure)
+L1_EVICTION_PERIOD_S = 1.0
 # LMCache's own MP client (the lmcache adapter's driver), for what only a client can send
 LMCACHE_DRIVERS = Path(__file__).resolve().parent.parent / "lmcache" / "drivers"
 REGISTER_TIMEOUT_S = 10.0  # after /health answers, vLLM's worker has registered (measured ~1 s)
@@ -44,9 +46,13 @@ class VllmLmcacheAdapter(VllmAdapter):
     stack_env_specs: ClassVar[tuple[str, ...]] = ("lmcache",)  # the LMCache server's environment
     # LMCache's chunk = vLLM's block, so hits from either are whole blocks of the same size
     # (LMCache needs chunk % block == 0: lmcache/integration/vllm/lmcache_mp_connector.py).
+    # A block size asked of vLLM restarts the LMCache server with that chunk size (the server's
+    # --chunk-size, lmcache/v1/multiprocess/config.py; the connector reads it from the server,
+    # vllm_multi_process_adapter.py get_lmcache_chunk_size).
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
+            C.BLOCK_SIZE_CONFIG,
             C.PREFIX_HIT_COUNTERS,
             C.ANSWERS_FROM_KV,
             C.RESET_PREFIX_CACHE,  # vLLM's blocks and, through the connector, the LMCache server's
@@ -61,8 +67,12 @@ class VllmLmcacheAdapter(VllmAdapter):
             # engine_driven mode run here none come: see inventory.toml kv_events.
             C.KV_EVENTS,
             C.ABORT_REQUESTS,  # with the connector's delayed free (request_finished -> True)
+            # A prefix is gone from the stack only once vLLM's pool and the server's L1 (LRU,
+            # evicted from a loop) both dropped it: cache_capacity_tokens is the larger of two.
+            C.FORCED_EVICTION,
         }
     )
+    eviction_period_s = L1_EVICTION_PERIOD_S
     churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
     # /reset_prefix_cache?reset_external=true -> Scheduler.reset_connector_cache ->
     # LMCacheMPConnector.reset_cache: CLEAR (force=False) to every LMCache server, which keeps
@@ -85,6 +95,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         self.lmcache_rpc_port = 0
         self.lmcache_http = ""
         self.lmcache_reports: list[TeardownReport] = []
+        self.lmcache_chunk = 0  # the running server's --chunk-size
 
     def preflight(self) -> None:
         super().preflight()
@@ -99,11 +110,15 @@ class VllmLmcacheAdapter(VllmAdapter):
         return name if release and name in envs.known_specs() else self.stack_env_specs[0]
 
     # ---- the LMCache server ----------------------------------------------------------------
-    def _ensure_lmcache(self) -> None:
-        if self.lmcache is not None and self.lmcache.process.alive():
+    def _ensure_lmcache(self, chunk: int) -> None:
+        if self.lmcache is not None and self.lmcache.process.alive() and self.lmcache_chunk == chunk:
             return
-        if self.lmcache is not None:  # it died under us: audit what it left
+        if self.lmcache is not None and self.lmcache.process.alive():
+            self._stop_lmcache()  # it runs another chunk size
+        elif self.lmcache is not None:  # it died under us: audit what it left
             self.lmcache_reports.append(self.lmcache.stop())
+            self.lmcache = None
+        self.lmcache_chunk = chunk
         self.lmcache_rpc_port, http_port = free_port(), free_port()
         self.lmcache_http = f"http://127.0.0.1:{http_port}"
         server = envs.find(self.server_env_spec()).bin("lmcache")
@@ -119,7 +134,7 @@ class VllmLmcacheAdapter(VllmAdapter):
             "--http-port",
             str(http_port),
             "--chunk-size",
-            str(self.default_block_size),
+            str(chunk),
             "--l1-size-gb",
             str(L1_GB),
             "--eviction-policy",
@@ -164,7 +179,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         """vLLM against the LMCache server; `persistent` is what the server always gives."""
         if config.offload:
             raise NotImplementedError("vllm-lmcache: the connector owns --kv-transfer-config")
-        self._ensure_lmcache()
+        self._ensure_lmcache(config.block_size or self.default_block_size)
         super().start(config.with_(persistent=False))
         self.config = config
         self._wait_registered()
@@ -183,17 +198,28 @@ class VllmLmcacheAdapter(VllmAdapter):
             self.log_tail(),
         )
 
+    def _stop_lmcache(self) -> None:
+        """Stop the LMCache server and audit what it left: an unclean teardown is an error."""
+        assert self.lmcache is not None
+        report = self.lmcache.stop()
+        self.lmcache = None
+        self.lmcache_reports.append(report)
+        if not report.clean:
+            raise EngineError(self.name, f"lmcache server teardown: {report.describe()}")
+
     def close(self) -> None:
         super().close()
         if self.lmcache is not None:
-            report = self.lmcache.stop()
-            self.lmcache = None
-            self.lmcache_reports.append(report)
-            if not report.clean:
-                raise EngineError(self.name, f"lmcache server teardown: {report.describe()}")
+            self._stop_lmcache()
 
     def engine_pids(self) -> list[int]:
         return super().engine_pids() + (self.lmcache.pids() if self.lmcache else [])
+
+    def cache_capacity_tokens(self) -> int:
+        """What the stack holds before a prefix is gone from it: vLLM's pool or the LMCache
+        server's L1 (its chunks are vLLM's blocks, in vLLM's dtype), whichever is larger."""
+        l1_tokens = int(L1_GB * 2**30) // self.model.kv_bytes_per_token()
+        return max(super().cache_capacity_tokens(), l1_tokens)
 
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
         """Prefix hits of the stack: vLLM's own prefix cache and what the connector loaded
