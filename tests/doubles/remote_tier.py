@@ -228,7 +228,7 @@ FAULTS: dict[str, Fault] = {
         "(the L1 deletion policy applied on the failure path)",
         (_PENDING,),
         "LMCache store_controller.py: select_l1_deletions after an L2 store (applied on success only there)",
-        ("hits_after_failed_stores",),
+        ("hits_after_failed_stores", "l1_usage_bytes_delta"),
     ),
     "failed_store_frees_l1_buffers": Fault(
         "a refused L2 store returns the chunks' L1 buffers to the allocator while L1 still "

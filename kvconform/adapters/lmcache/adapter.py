@@ -615,6 +615,9 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             C.BLOCK_SIZE_CONFIG,  # --chunk-size, as on `lmcache`; Redis is kept across restarts
             C.CACHE_SALT,  # the salt is part of the key in L1 and in Redis alike
             C.KV_EVENTS,
+            # A prefix L1 evicted still comes back from Redis until L2's own eviction drops it:
+            # cache_capacity_tokens counts both tiers.
+            C.FORCED_EVICTION,
         }
     )
     # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process
@@ -630,6 +633,10 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     def preflight(self) -> None:
         super().preflight()
         redis_binary()  # a clear UsageError naming the Debian package when it is missing
+
+    def cache_capacity_tokens(self) -> int:
+        """L1 and the Redis L2 behind it (LMCache's L2 capacity, REDIS_L2_CAPACITY_BYTES)."""
+        return super().cache_capacity_tokens() + REDIS_L2_CAPACITY_BYTES // self.model.kv_bytes_per_token()
 
     def _ensure_redis(self) -> RedisServer:
         if self.redis is not None and not self.redis.alive():
