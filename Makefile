@@ -52,13 +52,13 @@ lint: venv
 selftest: selftest-harness selftest-engines
 
 selftest-harness: venv
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/engines -m "not engine_env" \
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/system/attach -m "not engine_env" \
 	  --results-dir $(RESULTS)/selftest --durations=25
 
 # After the environments: self-tests marked `engine_env` launch or parse in a built engine
-# environment (tests/engine_envs.py) and skip, saying so, where it is missing.
+# environment (tests/system/engine_envs.py) and skip, saying so, where it is missing.
 selftest-engines: envs
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/engines -m engine_env \
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --ignore tests/system/attach -m engine_env \
 	  --results-dir $(RESULTS)/selftest-engines --durations=10
 
 envs: venv
@@ -71,7 +71,7 @@ engines: envs
 	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
 	  $(KILLS) || echo "[engines] report not generated"; \
 	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; exit $$code
-	$(BIN)/python -m pytest tests/engines --results-dir $(RESULTS)/attach
+	$(BIN)/python -m pytest tests/system/attach --results-dir $(RESULTS)/attach
 
 clean:
 	rm -rf $(VENV) $(RESULTS)
@@ -79,9 +79,9 @@ clean:
 # Long run, not part of CI: the mutation matrix with every fault of the reference engine and of
 # the test doubles run (docs/mutation-matrix.md + .json, dated, with the commit). The self-tests
 # read these runs as evidence and remake only the smoke faults and those whose checks, engine or
-# declaration changed since (tests/mutation_runs.py).
+# declaration changed since (tests/system/mutation_runs.py).
 matrix: venv
-	KVCONFORM_MATRIX=full $(BIN)/python -m pytest tests/test_mutation_matrix.py tests/test_engine_only_checks.py \
+	KVCONFORM_MATRIX=full $(BIN)/python -m pytest tests/system/test_mutation_matrix.py tests/system/test_engine_only_checks.py \
 	  -p no:cacheprovider --results-dir $(RESULTS)/matrix
 
 # Long run, not part of CI: every engine's full run, then each engine's mutants (small patches of

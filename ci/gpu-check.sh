@@ -4,7 +4,7 @@
 #   1. tests/gpu: the NVML probe against known CUDA allocations (per-process attribution),
 #      CUDA-IPC churn where the importer releases (with and without torch.cuda.ipc_collect())
 #      or holds its imports;
-#   2. the NVML probe unit tests (tests/test_memory.py, tests/test_gpu_specs.py: NVML mocked,
+#   2. the NVML probe unit tests (tests/harness/test_memory.py, tests/harness/test_gpu_specs.py: NVML mocked,
 #      and the 0-bytes-from-a-CUDA-engine error);
 #   3. the reference engine on CUDA through the whole memory_reclaim suite: instances export
 #      KV as CUDA tensors over CUDA IPC (register / unregister / reaper / close, the LMCache
@@ -52,7 +52,7 @@ timeout 200 "$PY" -m pytest --noconftest -p no:cacheprovider -q tests/gpu -rA \
   --junitxml="$KVCONFORM_GPU_OUT/gpu-tests.xml" || status=1
 
 echo "== 2. NVML probe unit tests (NVML mocked)"
-timeout 60 "$PY" -m pytest -p no:cacheprovider -q tests/test_memory.py tests/test_gpu_specs.py \
+timeout 60 "$PY" -m pytest -p no:cacheprovider -q tests/harness/test_memory.py tests/harness/test_gpu_specs.py \
   -k "not pypi and not pin and not without_a_gpu" --junitxml="$KVCONFORM_GPU_OUT/nvml-unit.xml" || status=1
 
 echo "== 3. reference engine on CUDA: memory_reclaim with CUDA IPC"

@@ -177,7 +177,7 @@ def markdown(engines: list[str]) -> str:
         "# Engine x capability inventory",
         "",
         "Written by `kvconform inventory` from each adapter's `inventory.toml` "
-        "(tests/test_inventory.py keeps it in agreement with the adapters' declared capabilities). "
+        "(tests/harness/test_inventory.py keeps it in agreement with the adapters' declared capabilities). "
         "A cell says whether the engine has the feature a check needs at the release named: "
         "**has** (the checks below judge it), **lacks** (the engine has no such feature; cited), "
         "**GPU** (only in a GPU build: cannot run on a CPU machine), "

@@ -293,7 +293,7 @@ Kills = dict[str, list[tuple[str, list[str]]]]  # check -> [(measure, what viola
 
 
 def load_kills(path: str | Path) -> Kills:
-    """The mutation matrix (tests/test_mutation_matrix.py's mutation-matrix.json) by check:
+    """The mutation matrix (tests/system/test_mutation_matrix.py's mutation-matrix.json) by check:
     [(measure, the faults and test doubles seen to violate it)]."""
     try:
         data = json.loads(Path(path).read_text())

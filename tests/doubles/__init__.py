@@ -4,7 +4,7 @@ router that says how many KV events it applied, and REMOTE_TIER: a prefix cache 
 L2 store the suite can read, damage and stop).
 
 They exist to prove the checks for those capabilities can fail and pass, without a real
-engine (tests/test_engine_only_checks.py). A run against a double is never a run of any
+engine (tests/system/test_engine_only_checks.py). A run against a double is never a run of any
 engine: the engines are named `testdouble_*` and report the version "test double (...)".
 
 They are registered as engines only inside a test run that loads `-p tests.doubles.plugin`;

@@ -33,7 +33,7 @@ _CHECK = "prefix_reuse::test_radix_cache_state_machine"
 FAULTS: dict[str, Fault] = {
     # Each state-machine fault breaks one assertion, the same line at every page size; one page
     # size per fault proves that assertion can fail, every page size is killed by some fault,
-    # and Hypothesis' shrinking stays inside the time budget of tests/test_engine_only_checks.py.
+    # and Hypothesis' shrinking stays inside the time budget of tests/system/test_engine_only_checks.py.
     # (The three eviction faults fail every page size; a partial page needs page size > 1.)
     "evict_ignores_lock": Fault(
         "eviction picks least-recently-used leaves without looking at lock_ref",

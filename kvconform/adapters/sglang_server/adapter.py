@@ -554,7 +554,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         runs, the KV its requests hold by SGLang's own count (exact). On GPU runners, NVML:
         per-process GPU memory of the server's tree (exact; 0 bytes from a running CUDA build is
         an error) and device-wide used memory against the one before the first start
-        (UNVERIFIED on a GPU: NVML mocked in tests/test_gpu_specs.py)."""
+        (UNVERIFIED on a GPU: NVML mocked in tests/harness/test_gpu_specs.py)."""
         measures = {} if self.attached else self.restart_leftover_measures()
         if self.running():
             measures["kv_tokens_held_bytes"] = MemoryMeasure(self.kv_tokens_held_bytes(), True)

@@ -4,7 +4,7 @@
 when the fault is injected; `violates` names the measures (as a Verdict records them) that
 must be the VIOLATED ones in those checks, no more and no fewer. An entry is a measure name
 for every killed check, or "CHECK_GLOB:MEASURE" for the checks matching CHECK_GLOB only.
-The mutation matrix (tests/test_mutation_matrix.py) proves both. `needs` names where a fault
+The mutation matrix (tests/system/test_mutation_matrix.py) proves both. `needs` names where a fault
 can act at all ("gpu": it skips a CUDA step that does not exist on hosts); the CPU matrix
 leaves those out and says why.
 """
