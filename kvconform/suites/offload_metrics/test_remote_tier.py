@@ -338,8 +338,9 @@ def test_remote_store_counters_track_pending_writes(
     # L1 is not stored again (LMCache 0.5.6 L1Manager.reserve_write -> KEY_NOT_WRITABLE), so
     # only new chunks show whether the tier takes writes again.
     held_before_again = len(engine.remote_entries())
-    completed_before_again = engine.metric("l2_store_completed", engine.metrics())
-    submitted_before_again = engine.metric("l2_store_submitted", engine.metrics())
+    snap_before_again = engine.metrics()
+    completed_before_again = engine.metric("l2_store_completed", snap_before_again)
+    submitted_before_again = engine.metric("l2_store_submitted", snap_before_again)
     fresh = FRESH_PROMPTS * chunks
     for _ in range(FRESH_PROMPTS):
         engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
@@ -367,6 +368,12 @@ def test_remote_store_counters_track_pending_writes(
         note=f"of {fresh}; recorded: a client that misreads the store's replies can still send "
         "a write the store keeps (how many depends on how the engine batches its stores), so "
         "the engine's completed count above is what is judged",
+    )
+    verdict.record(
+        "remote_refused_writes_after_refusals_end",
+        engine.remote_refused_writes() - refused_total,
+        "writes",
+        note="counted by the store: 0 means it refused nothing more",
     )
     stored = (1 + REFUSED_PROMPTS + FRESH_PROMPTS) * chunks
     if "l1_usage_bytes" in names:
