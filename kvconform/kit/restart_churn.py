@@ -60,6 +60,8 @@ class RestartChurn(_Base):
     def restart_leftover_measures(self) -> dict[str, MemoryMeasure]:
         left = self.restart_leftovers()
         return {
-            "restart_leftover_processes": MemoryMeasure(left["processes"], True, "processes"),
-            "restart_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True),
+            # Counted at teardown, so they cannot move inside one server's life: a long session
+            # judges the KV an engine holds, never these (holds_kv False).
+            "restart_leftover_processes": MemoryMeasure(left["processes"], True, "processes", holds_kv=False),
+            "restart_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True, holds_kv=False),
         }

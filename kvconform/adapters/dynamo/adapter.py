@@ -26,7 +26,9 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.kit.drivers import DriverProcess, engine_side_script
+from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
+from kvconform.memory import MemoryMeasure
 from kvconform.metrics import MetricSnapshot
 from kvconform.polling import seconds_until_steady
 from kvconform.processes import TeardownReport, free_port
@@ -40,7 +42,7 @@ GPU_BLOCKS = 256  # per mocker
 DISAGG_BANDWIDTH_GBPS = 10.0
 
 
-class DynamoAdapter(EngineAdapter):
+class DynamoAdapter(RestartChurn, EngineAdapter):
     name = "dynamo"
     env_spec = "dynamo"
     default_block_size = 16
@@ -55,6 +57,7 @@ class DynamoAdapter(EngineAdapter):
             C.FORCED_EVICTION,
             C.HOST_MEMORY,
             C.LONG_SESSION,
+            C.INSTANCE_CHURN,  # whole-stack restarts (RestartChurn): frontend and mockers
             C.ROUTER_PREDICTION,
             C.RADIX_INDEX,
             C.TRACE_REPLAY,
@@ -81,6 +84,7 @@ class DynamoAdapter(EngineAdapter):
         self.tracker_url = ""
         self._model_dir: Path | None = None
         self._stacks = 0
+        self._stack: Path | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def model_dir(self) -> Path:
@@ -121,6 +125,7 @@ class DynamoAdapter(EngineAdapter):
         block = config.block_size or self.default_block_size
         self._stacks += 1
         stack = self.ctx.workdir / f"stack-{self._stacks}"
+        self._stack = stack
         env = self.stack_env(stack)
         python = str(self.env().python)
         planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
@@ -228,7 +233,34 @@ class DynamoAdapter(EngineAdapter):
             reports.append(self.frontend.stop())
         self.mockers, self.frontend = [], None
         self.config = None
+        if self._stack is not None:
+            left = self.leftover_registrations(self._stack)
+            self.restart_leftovers().setdefault("registrations", 0)
+            self.restart_leftovers()["registrations"] += len(left)
+            if left:
+                notes = [f"left {len(left)} registrations, e.g. {left[:3]}"]
+                reports.append(TeardownReport("dynamo discovery", None, 0.0, False, notes=notes))
+            self._stack = None
         return reports
+
+    @staticmethod
+    def leftover_registrations(stack: Path) -> list[str]:
+        """Entries a stopped stack left in its file discovery directory (instances, model cards,
+        event channels). A graceful shutdown removes every one (mocker/main.py:34
+        graceful_shutdown -> DistributedRuntime.shutdown; 0 left in 1.6.1, measured); one left
+        behind is a dead worker a new frontend on the same directory would route to."""
+        root = stack / "kv"
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+        """What the stopped stacks left, cumulative over restarts: processes and /dev/shm files
+        (RestartChurn) and file-discovery registrations."""
+        measures = self.restart_leftover_measures()
+        registrations = self.restart_leftovers().get("registrations", 0)
+        measures["restart_leftover_registrations"] = MemoryMeasure(
+            registrations, True, "registrations", holds_kv=False
+        )
+        return measures
 
     def close(self) -> None:
         super().close()
