@@ -366,11 +366,8 @@ class EngineAdapter(ABC):
         """Start a streaming completion (`max_tokens` asked for) and drop the connection after
         `after_chunks` token chunks. Returns the token chunks received before the drop, 0 when
         the stream finished first (then no request was aborted)."""
-        resp = self.http.post(
-            self.url("/v1/completions"),
-            json=self.completion_body(tokens, max_tokens, stream=True),
-            stream=True,
-            timeout=self.ctx.request_timeout_s,
+        resp = self._request(  # the adapter's own request path: its headers, its errors
+            "POST", "/v1/completions", json=self.completion_body(tokens, max_tokens, stream=True), stream=True
         )
         if resp.status_code != 200:
             raise EngineError(

@@ -85,6 +85,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         self._model_dir: Path | None = None
         self._stacks = 0
         self._stack: Path | None = None
+        self.system_ports: list[int] = []  # each mocker's system server (health, /metrics)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def model_dir(self) -> Path:
@@ -155,8 +156,10 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
             session=self.http,
         )
         self.mockers = []
+        self.system_ports = []
         for i, role in enumerate(self.worker_roles(config)):
             system_port = free_port()
+            self.system_ports.append(system_port)
             self.mockers.append(
                 LaunchedServer(
                     self.name,

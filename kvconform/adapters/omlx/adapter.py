@@ -127,6 +127,7 @@ class OmlxAdapter(EngineAdapter):
             C.LONG_SESSION,
             C.INSTANCE_CHURN,
             C.INSTANCE_REGISTRY,
+            C.ABORT_REQUESTS,  # judged by its live request count; oMLX has no KV events or usage gauge
         }
     )
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
@@ -502,6 +503,17 @@ class OmlxAdapter(EngineAdapter):
         if not snap.has("omlx_total_prompt_tokens"):
             raise EngineError(self.name, f"/api/status lacks total_prompt_tokens: {sorted(status)[:20]}")
         return snap
+
+    def requests_in_flight(self) -> int | None:
+        """Requests the engine runs or queues, by its own live count: /api/status active_requests
+        (the engines' output collectors, one per request until its consumer cleans it up:
+        omlx/engine_core.py _cleanup_request) plus waiting_requests (the schedulers' queues),
+        summed over loaded models (omlx/server.py api_status)."""
+        status = self.get_json("/api/status")
+        missing = [k for k in ("active_requests", "waiting_requests") if k not in status]
+        if missing:
+            raise EngineError(self.name, f"/api/status lacks {', '.join(missing)}", self.log_tail())
+        return int(status["active_requests"]) + int(status["waiting_requests"])
 
     def block_size(self) -> int:
         """Launched: oMLX's fixed block (the server has no option for it), never its report.

@@ -153,10 +153,13 @@ def test_event_ledger_consistent(
     verdict.conclude()
 
 
-@pytest.mark.requires(C.ABORT_REQUESTS, C.KV_EVENTS)
+@pytest.mark.requires(C.ABORT_REQUESTS)
 def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has) -> None:
+    """Cut streams are aborted and release their KV; what judges it is what the engine has:
+    its live request count, its KV usage gauge, its KV events (each part where it exists)."""
     engine.ensure(EngineConfig())
-    mark = ledger_mark(engine)
+    events = has(C.KV_EVENTS)
+    mark = ledger_mark(engine) if events else 0
     block = engine.block_size()
     refused = ""
     cut = 0
@@ -171,6 +174,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         except EngineError as exc:  # judged below: the engine must serve after an abort
             refused = str(exc).splitlines()[0][:300]
             break
+    in_flight: int | None = None
     if not refused:
         verdict.require(
             "streams_cut_mid_way", cut, "==", 3, note="each dropped after 2 token chunks, before its end"
@@ -189,18 +193,22 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
             )
     if has(C.TRANSFER_ACCOUNTING):
         engine.transfer(prompts.fresh(4 * block + 1), engine.transfer_layouts[0], 1, 1, abort_after_pages=3)
-    t0 = time.monotonic()
-    deadline = t0 + IDLE_BOUND_S + engine.idle_gauge_refresh_s
-    usage = engine.metric("kv_usage", engine.metrics())
-    while usage > 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    if "kv_usage" in engine.metric_names:
+        t0 = time.monotonic()
+        deadline = t0 + IDLE_BOUND_S + engine.idle_gauge_refresh_s
         usage = engine.metric("kv_usage", engine.metrics())
-    verdict.equal(
-        "kv_usage_after_aborts",
-        usage,
-        0.0,
-        note=f"aborted requests must release their blocks (read after {time.monotonic() - t0:.1f} s idle)",
-    )
+        while usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            usage = engine.metric("kv_usage", engine.metrics())
+        idle_s = time.monotonic() - t0
+        verdict.equal(
+            "kv_usage_after_aborts",
+            usage,
+            0.0,
+            note=f"aborted requests must release their blocks (read after {idle_s:.1f} s idle)",
+        )
+    else:
+        verdict.record("kv_usage_after_aborts", "no KV usage gauge", note=f"engine {engine.name} has none")
     fresh = prompts.fresh(3 * block)
     try:
         served, why = engine.serve_prompt(fresh).prompt_tokens, ""
@@ -208,6 +216,19 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         served, why = 0, str(exc).splitlines()[0][:300]
     why = "; ".join(w for w in (f"during the aborts: {refused}" if refused else "", why) if w)
     verdict.equal("engine_serves_after_aborts", served, len(fresh), "tokens", note=why)
+    if not events:
+        # Without events, what shows a request the engine never released is its live count or
+        # its usage gauge: an engine with neither could only be judged on serving again.
+        if not refused:
+            verdict.require(
+                "release_measures",
+                int(in_flight is not None) + int("kv_usage" in engine.metric_names),
+                ">=",
+                1,
+                note="a live request count or a KV usage gauge; the engine has no KV events",
+            )
+        verdict.conclude()
+        return
     after_fill = None
     if served and has(C.FORCED_EVICTION):
         fill_cache(engine, prompts, factor=1.5)  # a doubly freed block shows once evicted
