@@ -362,19 +362,34 @@ class EngineAdapter(ABC):
             list(choice.get("token_ids") or []),
         )
 
-    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
-        """Start a streaming completion (`max_tokens` asked for) and drop the connection after
-        `after_chunks` token chunks. Returns the token chunks received before the drop, 0 when
-        the stream finished first (then no request was aborted)."""
+    def open_stream(self, tokens: list[int], max_tokens: int) -> requests.Response:
+        """Start a streaming completion (`max_tokens` asked for); the response streams its
+        server-sent events. The one part of a streaming request an engine's API changes."""
         resp = self._request(  # the adapter's own request path: its headers, its errors
             "POST", "/v1/completions", json=self.completion_body(tokens, max_tokens, stream=True), stream=True
         )
         if resp.status_code != 200:
-            raise EngineError(
-                self.name, f"streaming completion -> HTTP {resp.status_code}: {resp.text[:200]}"
-            )
+            said = resp.text[:200]
+            resp.close()
+            raise EngineError(self.name, f"streaming completion -> HTTP {resp.status_code}: {said}")
+        return resp
+
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
+        """Start a streaming completion and drop the connection after `after_chunks` token
+        chunks. Returns the token chunks received before the drop, 0 when the stream finished
+        first (then no request was aborted)."""
+        resp = self.open_stream(tokens, max_tokens)
         try:
             return token_chunks_before_drop(resp.iter_lines(), after_chunks)
+        finally:
+            resp.close()
+
+    def stream_outlives(self, tokens: list[int], max_tokens: int, seconds: float) -> bool:
+        """Whether a streaming completion of `max_tokens` is still running `seconds` after it
+        started (then the connection is dropped); False when it finished first."""
+        resp = self.open_stream(tokens, max_tokens)
+        try:
+            return stream_runs_past(resp.iter_lines(), seconds)
         finally:
             resp.close()
 
@@ -660,25 +675,45 @@ class EngineAdapter(ABC):
         return {}
 
 
+def _sse_chunk(line: bytes) -> bool | None:
+    """A server-sent event line: True for a chunk that ends the stream (`[DONE]`, or a finish
+    reason: OpenAI's choices[].finish_reason, SGLang's meta_info.finish_reason), False for
+    another chunk, None for what is not a data chunk."""
+    if not line.startswith(b"data:"):
+        return None
+    body = line[5:].strip()
+    if body == b"[DONE]":
+        return True
+    try:
+        chunk = json.loads(body)
+    except ValueError:
+        return None
+    choices = chunk.get("choices") or [{}]
+    return bool(choices[0].get("finish_reason") or (chunk.get("meta_info") or {}).get("finish_reason"))
+
+
 def token_chunks_before_drop(lines: Any, after_chunks: int) -> int:
     """Read server-sent events until `after_chunks` token chunks came: their count, or 0 if the
-    stream ended first (`[DONE]`, or a chunk carrying a finish reason: OpenAI's
-    choices[].finish_reason, SGLang's meta_info.finish_reason)."""
+    stream ended first."""
     received = 0
     for line in lines:
-        if not line.startswith(b"data:"):
+        ended = _sse_chunk(line)
+        if ended is None:
             continue
-        body = line[5:].strip()
-        if body == b"[DONE]":
-            return 0
-        try:
-            chunk = json.loads(body)
-        except ValueError:
-            continue
-        choices = chunk.get("choices") or [{}]
-        if choices[0].get("finish_reason") or (chunk.get("meta_info") or {}).get("finish_reason"):
+        if ended:
             return 0
         received += 1
         if received >= after_chunks:
             return received
     return 0
+
+
+def stream_runs_past(lines: Any, seconds: float) -> bool:
+    """Read server-sent events until `seconds` have passed (True) or the stream ended (False)."""
+    start = time.monotonic()
+    for line in lines:
+        if _sse_chunk(line):
+            return False
+        if time.monotonic() - start >= seconds:
+            return True
+    return False

@@ -29,7 +29,7 @@ from kvconform.kit.drivers import DriverProcess, engine_side_script
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure
-from kvconform.metrics import MetricSnapshot
+from kvconform.metrics import MetricSnapshot, parse_prometheus
 from kvconform.polling import seconds_until_steady
 from kvconform.processes import TeardownReport, free_port
 
@@ -40,6 +40,11 @@ MODEL_NAME = "tiny"
 WORKERS = 2
 GPU_BLOCKS = 256  # per mocker
 DISAGG_BANDWIDTH_GBPS = 10.0
+# The mocker's simulated step times, unscaled: about 15.5 ms per decoded token (1.6.1, measured),
+# so a request nobody aborted is still decoding when a check reads it seconds later (at 100x,
+# 1536 tokens took 0.25 s and an abort could not be told from a finished request). Prefill,
+# which most checks are made of, stays at tens of ms.
+SPEEDUP_RATIO = 1
 
 
 class DynamoAdapter(RestartChurn, EngineAdapter):
@@ -58,6 +63,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
             C.HOST_MEMORY,
             C.LONG_SESSION,
             C.INSTANCE_CHURN,  # whole-stack restarts (RestartChurn): frontend and mockers
+            C.ABORT_REQUESTS,  # live request counts and the mockers' KV usage (no KV events yet)
             C.ROUTER_PREDICTION,
             C.RADIX_INDEX,
             C.TRACE_REPLAY,
@@ -73,7 +79,18 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         # and, being Rust's prometheus crate, adds no _total (none in 1.6.1's _core.abi3.so).
         "router_events_applied": "dynamo_component_kv_cache_events_applied",
         "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
+        # Each mocker's simulated KV pool, on its system port in vLLM's names (used blocks /
+        # pool blocks, set as its scheduler steps); summed over the mockers it is 0 only when
+        # no worker holds a block for a request.
+        "kv_usage": "vllm:kv_cache_usage_perc",
     }
+    # Read from each mocker's system port and merged into metrics() with a `mocker` label.
+    worker_metric_families: ClassVar[tuple[str, ...]] = (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "dynamo_component_inflight_requests",
+    )
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -177,7 +194,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
                         "--num-gpu-blocks-override",
                         str(GPU_BLOCKS),
                         "--speedup-ratio",
-                        "100",
+                        str(SPEEDUP_RATIO),
                         *planes,
                         *self.disagg_args(role),
                     ],
@@ -235,6 +252,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         if self.frontend is not None:
             reports.append(self.frontend.stop())
         self.mockers, self.frontend = [], None
+        self.system_ports = []
         self.config = None
         if self._stack is not None:
             left = self.leftover_registrations(self._stack)
@@ -292,6 +310,15 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         }
         return self.post_json("/v1/completions", body)
 
+    def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+        return {
+            "model": MODEL_NAME,
+            "prompt": tokens,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
 
@@ -339,7 +366,41 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         return {s: after.value(name, status=s) - before.value(name, 0.0, status=s) for s in statuses}
 
     def metrics(self) -> MetricSnapshot:
-        return self.scrape("/metrics")
+        """The frontend's /metrics, with the mockers' per-worker families merged in."""
+        snap = self.scrape("/metrics")
+        for index, port in enumerate(self.system_ports):
+            where = f"mocker {index} /metrics"
+            try:
+                resp = self.http.get(f"http://127.0.0.1:{port}/metrics", timeout=self.ctx.request_timeout_s)
+            except requests.RequestException as exc:
+                raise EngineError(self.name, f"{where} failed: {exc}", self.log_tail()) from None
+            worker = parse_prometheus(resp.text, self.name, where)
+            # The vllm: gauges appear with a mocker's first request (1.6.1, measured): absent on
+            # a mocker whose generate endpoint has served nothing, they are 0; absent after
+            # that, an error.
+            served = worker.value("dynamo_component_requests_total", 0.0, dynamo_endpoint="generate")
+            for family in self.worker_metric_families:
+                if not worker.has(family) and served:
+                    raise EngineError(self.name, f"{where} lacks {family} after {served:.0f} requests")
+                rows = snap.samples.setdefault(family, {})
+                if not worker.has(family):
+                    rows[frozenset({("mocker", str(index))})] = 0.0
+                for labels, value in worker.samples.get(family, {}).items():
+                    rows[labels | {("mocker", str(index))}] = value
+        return snap
+
+    def requests_in_flight(self) -> int | None:
+        """Requests still open anywhere in the stack, by live counts: the frontend's
+        (dynamo_frontend_inflight_requests), each mocker's request handlers
+        (dynamo_component_inflight_requests of its generate endpoint) and each mocker's
+        scheduler (vllm:num_requests_running + vllm:num_requests_waiting)."""
+        snap = self.metrics()
+        if not snap.has("dynamo_frontend_inflight_requests"):
+            raise EngineError(self.name, "frontend /metrics lacks dynamo_frontend_inflight_requests")
+        total = snap.value("dynamo_frontend_inflight_requests")
+        total += snap.value("dynamo_component_inflight_requests", dynamo_endpoint="generate")
+        total += snap.value("vllm:num_requests_running") + snap.value("vllm:num_requests_waiting")
+        return round(total)
 
     def cache_capacity_tokens(self) -> int:
         return GPU_BLOCKS * self.block_size()  # per worker; the router spreads the fill

@@ -71,7 +71,6 @@ from kvconform.contract import (
     EngineConfig,
     ModelShape,
     ServedPrompt,
-    token_chunks_before_drop,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
@@ -506,7 +505,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         output = data.get("output_ids") or []
         return ServedPrompt(prompt_tokens, cached, [int(t) for t in output], source)
 
-    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
+    def open_stream(self, tokens: list[int], max_tokens: int) -> requests.Response:
         try:
             resp = self.http.post(
                 self.url("/generate"),
@@ -517,11 +516,10 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         except requests.RequestException as exc:
             raise EngineError(self.name, f"streaming /generate failed: {exc}", self.log_tail()) from None
         if resp.status_code != 200:
-            raise EngineError(self.name, f"streaming /generate -> HTTP {resp.status_code}: {resp.text[:200]}")
-        try:
-            return token_chunks_before_drop(resp.iter_lines(), after_chunks)
-        finally:
+            said = resp.text[:200]
             resp.close()
+            raise EngineError(self.name, f"streaming /generate -> HTTP {resp.status_code}: {said}")
+        return resp
 
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")

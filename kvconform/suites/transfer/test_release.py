@@ -163,7 +163,22 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     block = engine.block_size()
     refused = ""
     cut = 0
-    for _ in range(3):
+    # The read after the cuts can only fail if a request nobody aborted would still be running
+    # then: an uncut stream of the same length must outlive the settle time.
+    try:
+        outlives = engine.stream_outlives(prompts.fresh(5 * block + 3), ABORT_MAX_TOKENS, ABORT_SETTLE_S)
+    except EngineError as exc:
+        outlives, refused = False, str(exc).splitlines()[0][:300]
+    if not refused:
+        verdict.require(
+            "uncut_stream_outlives_settle",
+            int(outlives),
+            "==",
+            1,
+            note=f"a stream of {ABORT_MAX_TOKENS} tokens still ran {ABORT_SETTLE_S:.0f} s after it began "
+            "(else a request never aborted would be done by the read: nothing could fail)",
+        )
+    for _ in range(0 if refused else 3):
         try:
             cut += int(
                 engine.stream_and_disconnect(
@@ -175,7 +190,9 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
             refused = str(exc).splitlines()[0][:300]
             break
     in_flight: int | None = None
-    if not refused:
+    if refused:  # never a pass: no abort was judged, or the aborts wedged the engine
+        verdict.equal("streams_refused_during_aborts", 1, 0, note=f"after {cut} cut streams: {refused}")
+    else:
         verdict.require(
             "streams_cut_mid_way", cut, "==", 3, note="each dropped after 2 token chunks, before its end"
         )

@@ -56,7 +56,7 @@ def test_capabilities_attach_vs_launch(tmp_path: Path) -> None:
     }
     assert launch_only <= launched.effective_capabilities()
     assert attached.effective_capabilities() == frozenset(
-        {C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.ANSWERS_FROM_KV, C.RESET_PREFIX_CACHE}
+        {C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.ANSWERS_FROM_KV, C.RESET_PREFIX_CACHE, C.ABORT_REQUESTS}
     )
     assert C.KV_EVENTS not in launched.capabilities  # oMLX publishes no KV events
     assert C.BLOCK_POOL_STATS not in launched.capabilities
