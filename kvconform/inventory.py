@@ -9,8 +9,9 @@ three things it is:
 - lacks: the engine has no such feature at that release (the source says where);
 - needs_gpu: the engine has it only in a GPU build, so it cannot run on a CPU machine;
 - elsewhere: this configuration of the engine does not run the feature, another one of the
-  same release does and judges it (`judged_by` names it: SGLang's scheduler counters are
-  judged on its server, not on the in-process RadixCache);
+  same release (for a stack, of the part that has it) does and judges it (`judged_by` names
+  it: SGLang's scheduler counters are judged on its server, not on the in-process RadixCache;
+  the LMCache server's L2 on lmcache, not inside vllm-lmcache);
 - not_implemented: the engine has it and the adapter does not reach it yet.
 
     kvconform inventory [--out docs/inventory.md]
@@ -182,7 +183,7 @@ def markdown(engines: list[str]) -> str:
         "**has** (the checks below judge it), **lacks** (the engine has no such feature; cited), "
         "**GPU** (only in a GPU build: cannot run on a CPU machine), "
         "**↪ elsewhere** (this configuration does not run the feature; the engine named, another "
-        "configuration of the same release, judges it), "
+        "configuration of the same release (for a stack, of its part that has the feature), judges it), "
         "**not implemented** (the engine has it, the adapter does not reach it yet).",
         "",
         "## Counts",
