@@ -87,6 +87,7 @@ class LmcacheAdapter(EngineAdapter):
             C.TIERED_STORE_METRICS,
             C.CACHE_SALT,  # IPCCacheServerKey.cache_salt, as the vLLM connector sends it
             C.KV_EVENTS,  # SUBSCRIBE_KV_EVENTS: the server's sequenced CPU-tier records
+            C.TRACE_REPLAY,  # its cache simulator over lookup-hash logs (drivers/lmcache_simulator_driver.py)
         }
     )
     # A shared server numbers every model's KV-event records in one sequence: attached, the
@@ -132,6 +133,7 @@ class LmcacheAdapter(EngineAdapter):
         self.client: DriverProcess | None = None
         self.churner: DriverProcess | None = None
         self.inproc: DriverProcess | None = None
+        self.simulator: DriverProcess | None = None
         self.rpc_url = ""
         self.churn_path = "unregister"
         self.closed_leftovers = {"processes": 0, "shm_bytes": 0}
@@ -312,9 +314,65 @@ class LmcacheAdapter(EngineAdapter):
 
     def close(self) -> None:
         super().close()
-        if self.inproc is not None:
-            self.inproc.close()
-            self.inproc = None
+        for driver in (self.inproc, self.simulator):
+            if driver is not None:
+                driver.close()
+        self.inproc = self.simulator = None
+
+    # ---- offline replay (TRACE_REPLAY) --------------------------------------------------
+    def replay(
+        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
+    ) -> dict[str, Any]:
+        """The trace through LMCache's cache simulator: each request becomes the lookup record
+        LMCache logs for it (its full chunks' hashes, hash_ids standing for chunk hashes; a
+        partial last chunk is never hashed), replayed through an LRU of num_gpu_blocks chunks.
+        Aggregated, one cache: the simulator has no workers, clock or disaggregation."""
+        if mode != "agg" or int(options.get("num_workers", 1)) != 1:
+            raise NotImplementedError("LMCache's simulator replays one aggregated cache (mode agg, 1 worker)")
+        chunk = int(engine_args["block_size"])
+        requests = [
+            {
+                "timestamp": float(req["timestamp"]) / 1000.0,
+                "seq_len": int(req["input_length"]),
+                "chunk_hashes": [
+                    f"0x{int(h):016x}" for h in req["hash_ids"][: int(req["input_length"]) // chunk]
+                ],
+            }
+            for req in trace
+        ]
+        if self.simulator is None or not self.simulator.process.alive():
+            self.simulator = DriverProcess(
+                self.name,
+                self.env().python,
+                DRIVERS / "lmcache_simulator_driver.py",
+                self.ctx.workdir / "logs" / "lmcache-simulator.log",
+                env=LMCACHE_ENV,
+            )
+        got = self.simulator.call(
+            "replay",
+            requests=requests,
+            chunk_size=chunk,
+            capacity_chunks=int(engine_args["num_gpu_blocks"]),
+            kv_bytes_per_chunk=self.model.block_bytes(chunk),
+        )
+        if got["events"] != len(trace):
+            raise EngineError(
+                self.name, f"the simulator loaded {got['events']} of {len(trace)} lookup records"
+            )
+        # Per request, the simulator's own token hit rate (hit tokens / seq_len, its primary
+        # metric) times the request's length: the hit tokens it counted.
+        rows = zip(got["timestamps"], got["token_hit_rates"], got["input_lengths"], strict=True)
+        return {
+            "requests": [
+                {
+                    "arrival_time_ms": float(ts) * 1000.0,
+                    "reused_input_tokens": round(float(rate) * int(length)),
+                    "terminal_status": "completed",
+                }
+                for ts, rate, length in rows
+            ],
+            "evictions": got["eviction_count"],
+        }
 
     def running(self) -> bool:
         return self.server is not None and self.server.process.alive()

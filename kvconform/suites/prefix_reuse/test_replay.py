@@ -3,7 +3,8 @@
 The trace is ours: requests built from a few shared prefixes (hash_ids per block), some
 prompts block-aligned, some not, replayed one at a time on one worker with a cache large
 enough to keep everything. Oracle per request: the longest block prefix it shares with any
-earlier request, capped by the last-token rule: min(shared, floor((n - 1) / block)) blocks.
+earlier request, under the engine's last-token rule (a serving engine computes the last
+token: min(shared, floor((n - 1) / block)) blocks; a cache store returns every stored chunk).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, LastToken
+from kvconform.oracles import prefix_hit_tokens
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.TRACE_REPLAY)
@@ -48,7 +50,7 @@ def build_trace() -> list[dict]:
     return trace
 
 
-def oracle(trace: list[dict]) -> list[int]:
+def oracle(trace: list[dict], recomputes_last_token: bool | LastToken) -> list[int]:
     reused = []
     for i, req in enumerate(trace):
         full = req["input_length"] // BLOCK
@@ -58,7 +60,7 @@ def oracle(trace: list[dict]) -> list[int]:
             while n < min(full, len(prev["hash_ids"])) and prev["hash_ids"][n] == req["hash_ids"][n]:
                 n += 1
             shared = max(shared, n)
-        reused.append(min(shared, (req["input_length"] - 1) // BLOCK) * BLOCK)
+        reused.append(prefix_hit_tokens(shared * BLOCK, req["input_length"], BLOCK, recomputes_last_token))
     return reused
 
 
@@ -68,7 +70,7 @@ def test_trace_replay_reuse_matches_oracle(engine: EngineAdapter, verdict: Verdi
         trace, {"block_size": BLOCK, "num_gpu_blocks": 4096}, mode="agg", num_workers=1, replay_concurrency=1
     )
     rows = sorted(result["requests"], key=lambda r: r["arrival_time_ms"])
-    expected = oracle(trace)
+    expected = oracle(trace, engine.recomputes_last_token)
     got = [int(r["reused_input_tokens"]) for r in rows]
     wrong = [
         f"#{i} n={t['input_length']}: {g} != {e}"
