@@ -74,6 +74,9 @@ class EngineAdapter(ABC):
     # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
     # it (an engine that publishes gauges only per batch and on an idle timer).
     idle_gauge_refresh_s: ClassVar[float] = 0.0
+    # Seconds the engine waits, by its own design, between a client's disconnect and the abort
+    # of its request (0: at once).
+    abort_delay_s: ClassVar[float] = 0.0
     # Period of the loop that evicts from a full cache, for engines that evict in the
     # background rather than when a store needs room (0: evicts on allocation).
     eviction_period_s: ClassVar[float] = 0.0

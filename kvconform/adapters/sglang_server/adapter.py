@@ -155,6 +155,9 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     # sglang:token_usage is set per batch report; idle, the scheduler republishes it only when
     # the running-requests gauge disagrees with the running batch, else every 30 s
     # (scheduler_components/metrics_reporter.py, _maybe_log_idle_metrics, 0.5.23). A request
+    # TokenizerManager.create_abort_task sleeps 2 s before aborting a disconnected request
+    # (sglang/srt/managers/tokenizer_manager.py:2427, 0.5.23).
+    abort_delay_s: ClassVar[float] = 2.0
     # aborted before its first decode report leaves its prefill-time usage up for that long
     # (measured on a loaded 2-core runner: 0.02 after 10 s idle).
     idle_gauge_refresh_s: ClassVar[float] = 30.0

@@ -9,7 +9,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvconform import envs
 from kvconform.contract import (
@@ -23,7 +23,7 @@ from kvconform.contract import (
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
-from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
@@ -80,6 +80,7 @@ FORCED_SHUTDOWN_NOTE = (
 )
 # The tiny CPU model's --dtype, from the KV bytes per element the byte oracles use (model).
 TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
+SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD): a few prompts' worth
 
 
 class VllmAdapter(RestartChurn, EngineAdapter):
@@ -106,6 +107,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             C.OFFLOAD_HOST_HITS,
             C.OFFLOAD_STORE_THRESHOLD,
             C.CACHE_SALT,
+            C.RELEASE_GUARD,  # vLLM's own scheduler, in-process (drivers/vllm_scheduler_driver.py)
         }
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
@@ -133,6 +135,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     # offload tier: those checks need launch mode.
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
         C.KV_EVENTS,
+        C.RELEASE_GUARD,  # judges the vLLM installed here, not the attached server's
         C.OFFLOAD_GAUGES,
         C.OFFLOAD_HOST_HITS,
         C.OFFLOAD_STORE_THRESHOLD,
@@ -147,6 +150,8 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         self._gpu_before: int | None = None
         self._pool_blocks: int | None = None
         self._serving = False  # healthy and not being stopped: a CUDA build holds its KV now
+        self.scheduler_driver: DriverProcess | None = None  # RELEASE_GUARD
+        self._released = 0
 
     def preflight(self) -> None:
         super().preflight()
@@ -470,6 +475,12 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         self.config = config
         self._serving = True
 
+    def close(self) -> None:
+        super().close()
+        if self.scheduler_driver is not None:
+            self.scheduler_driver.close()
+            self.scheduler_driver = None
+
     def stop(self) -> list[TeardownReport]:
         reports = []
         self._serving = False
@@ -554,7 +565,10 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         return self.server.pids() if self.server else []
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, object]:
-        return {"model": self.served_model_name(), **super().completion_body(tokens, max_tokens, stream)}
+        body = {"model": self.served_model_name(), **super().completion_body(tokens, max_tokens, stream)}
+        if stream:  # a stream the abort check cuts must still be decoding, not ended by an EOS
+            body["ignore_eos"] = True
+        return body
 
     # ---- instance churn: whole-server restart cycles (RestartChurn) -----------------------
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
@@ -570,6 +584,33 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
         )
         return measures
+
+    # ---- a request released twice (RELEASE_GUARD) ----------------------------------------
+    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+        """One request aborted twice through Scheduler.finish_requests (what EngineCore's
+        abort_requests calls), in vLLM's own scheduler and KV cache manager built as EngineCore
+        builds them, without a model (drivers/vllm_scheduler_driver.py)."""
+        if self.scheduler_driver is None or not self.scheduler_driver.process.alive():
+            self.scheduler_driver = DriverProcess(
+                self.name,
+                self.env().python,
+                DRIVERS / "vllm_scheduler_driver.py",
+                self.ctx.workdir / "logs" / "vllm-scheduler-driver.log",
+                start_timeout_s=self.ctx.start_timeout_s,
+            )
+        self._released += 1
+        return self.scheduler_driver.call(
+            "release_twice",
+            timeout_s=300,
+            model=str(self.model_dir()),
+            block_size=self.block_size(),
+            num_blocks=SCHEDULER_DRIVER_BLOCKS,
+            dtype=TINY_MODEL_DTYPES[self.model.dtype_bytes],
+            kv_heads=self.model.kv_heads,
+            head_dim=self.model.head_dim,
+            request_id=f"kvc-release-{self._released}",
+            token_ids=tokens,
+        )
 
     def kv_blocks_held_bytes(self) -> float:
         """The KV blocks requests hold now, by vLLM's own count, in bytes: kv_cache_usage_perc is
