@@ -162,6 +162,73 @@ class EventLedger:
         return verdict
 
 
+class StreamLedger(EventLedger):
+    """One stream of a StreamedLedger: an EventLedger that also tells its owner the order in
+    which events of all streams arrived (so one mark spans every stream)."""
+
+    def __init__(self, owner: StreamedLedger, name: str) -> None:
+        super().__init__()
+        self.owner = owner
+        self.name = name
+
+    def extend(self, events: Iterable[KvEvent]) -> None:
+        batch = list(events)
+        with self.owner.arrival_lock:
+            self.owner.arrivals.extend([self.name] * len(batch))
+            super().extend(batch)
+
+
+class StreamedLedger(EventLedger):
+    """Several event streams numbered apart: one per worker of an engine that runs several
+    (Dynamo's mockers each publish their own sequence from 0). Each stream is judged on its
+    own (sequence numbers, removals against its own stores); a block is resident per stream, so
+    the same hash held by two workers counts twice. Checks read it as one ledger."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        super().__init__()
+        self.arrival_lock = threading.Lock()
+        self.arrivals: list[str] = []  # the stream of each event, in arrival order
+        self.streams = {name: StreamLedger(self, name) for name in names}
+
+    def extend(self, events: Iterable[KvEvent]) -> None:
+        raise TypeError("a StreamedLedger takes events through its streams")
+
+    def events(self) -> list[KvEvent]:
+        return [e for ledger in self.streams.values() for e in ledger.events()]
+
+    def mark(self) -> int:
+        with self.arrival_lock:
+            return len(self.arrivals)
+
+    def since(self, mark: int) -> list[KvEvent]:
+        with self.arrival_lock:
+            before = Counter(self.arrivals[:mark])
+        return [e for name, ledger in self.streams.items() for e in ledger.since(before[name])]
+
+    def judge(self, since: int = 0) -> LedgerVerdict:
+        with self.arrival_lock:
+            before = Counter(self.arrivals[:since])
+        merged = LedgerVerdict(0, 0, 0, 0, {})
+        for name, ledger in self.streams.items():
+            # A stream with no event before the mark is judged whole: all of it is this check's.
+            part = ledger.judge(since=before[name])
+            merged.events += part.events
+            merged.stored += part.stored
+            merged.removed += part.removed
+            merged.cleared += part.cleared
+            merged.restored_resident += part.restored_resident
+            merged.copies_removed_while_resident += part.copies_removed_while_resident
+            for medium, copies in part.resident.items():
+                live = merged.resident.setdefault(medium, Counter())
+                for block, count in copies.items():
+                    live[f"{name}/{block}"] += count
+            merged.violations += [
+                Violation(v.kind, v.seq, v.block, f"stream {name}" + (f": {v.detail}" if v.detail else ""))
+                for v in part.violations
+            ]
+        return merged
+
+
 def judge(history: list[KvEvent]) -> LedgerVerdict:
     ordered = sorted(history, key=lambda e: (e.seq, e.sub))
     resident: dict[str, Counter[str]] = {}

@@ -69,7 +69,12 @@ def _decode_event(seq: int, sub: int, raw: Any) -> KvEvent:
 
 class ZmqEventSubscriber:
     def __init__(
-        self, ledger: EventLedger, endpoint: str, topic: str = "", replay_endpoint: str | None = None
+        self,
+        ledger: EventLedger,
+        endpoint: str,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        connect: bool = False,
     ) -> None:
         self.ledger = ledger
         self.endpoint = endpoint
@@ -84,7 +89,13 @@ class ZmqEventSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
+        # Bound before the engine starts, its publisher connects to us and no early event is
+        # lost; an engine whose publisher binds (Dynamo's mocker) is connected to, and what the
+        # subscription missed at the start comes from its replay socket.
+        if connect:
+            self._sock.connect(endpoint)
+        else:
+            self._sock.bind(endpoint)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvconform.events import EventLedger, KvEvent, hash_text, judge
+from kvconform.events import EventLedger, KvEvent, StreamedLedger, hash_text, judge
 
 
 def stored(seq: int, *blocks: str, medium: str = "device", sub: int = 0) -> KvEvent:
@@ -230,3 +231,24 @@ def test_judge_since_a_mark_reports_only_that_checks_violations() -> None:
     assert ledger.judge().counts() == {"double_remove": 2}
     empty = EventLedger()
     assert empty.judge(since=empty.mark()).violations == []
+
+
+def test_streams_are_numbered_and_judged_apart() -> None:
+    """Two workers each number their events from 0 and hold their own blocks: no gap or regress
+    across streams, the same hash on both counts twice, a violation names its stream."""
+    ledger = StreamedLedger(["w0", "w1"])
+    ledger.streams["w0"].extend([stored(0, "a"), stored(1, "b")])
+    ledger.streams["w1"].extend([stored(0, "a")])
+    whole = ledger.judge()
+    assert whole.violations == [] and whole.resident_count() == 3
+    mark = ledger.mark()
+    ledger.streams["w1"].extend([removed(1, "a"), removed(2, "a")])
+    ledger.streams["w0"].extend([removed(2, "b")])
+    later = ledger.judge(since=mark)
+    assert later.counts() == {"double_remove": 1} and "stream w1" in later.violations[0].detail
+    assert (later.events, later.removed) == (3, 3)
+    assert later.resident == {"device": Counter({"w0/a": 1})}
+    ledger.streams["w0"].extend([stored(4, "c")])
+    assert ledger.judge(since=ledger.mark() - 1).counts() == {"seq_gap": 1}
+    with pytest.raises(TypeError):
+        ledger.extend([stored(9, "z")])

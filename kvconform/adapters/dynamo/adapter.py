@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,9 +26,11 @@ from kvconform.contract import (
     poll_until,
 )
 from kvconform.errors import EngineError, EngineStartError
+from kvconform.events import StreamedLedger
 from kvconform.kit.drivers import DriverProcess, engine_side_script
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
+from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure
 from kvconform.metrics import MetricSnapshot, parse_prometheus
 from kvconform.polling import seconds_until_steady
@@ -63,7 +66,8 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
             C.HOST_MEMORY,
             C.LONG_SESSION,
             C.INSTANCE_CHURN,  # whole-stack restarts (RestartChurn): frontend and mockers
-            C.ABORT_REQUESTS,  # live request counts and the mockers' KV usage (no KV events yet)
+            C.ABORT_REQUESTS,  # live request counts, the mockers' KV usage, their KV events
+            C.KV_EVENTS,  # each mocker's vLLM-format ZMQ stream (--zmq-kv-events-ports), a ledger stream each
             C.ROUTER_PREDICTION,
             C.RADIX_INDEX,
             C.TRACE_REPLAY,
@@ -103,6 +107,8 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         self._stacks = 0
         self._stack: Path | None = None
         self.system_ports: list[int] = []  # each mocker's system server (health, /metrics)
+        self.subscribers: list[ZmqEventSubscriber] = []  # one per aggregated mocker (KV_EVENTS)
+        self.streams = StreamedLedger(())
 
     # ---- lifecycle ----------------------------------------------------------------------
     def model_dir(self) -> Path:
@@ -174,7 +180,10 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         )
         self.mockers = []
         self.system_ports = []
-        for i, role in enumerate(self.worker_roles(config)):
+        roles = self.worker_roles(config)
+        self.streams = StreamedLedger(f"mocker-{i}" for i, role in enumerate(roles) if role is None)
+        self.ledger = self.streams
+        for i, role in enumerate(roles):
             system_port = free_port()
             self.system_ports.append(system_port)
             self.mockers.append(
@@ -197,6 +206,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
                         str(SPEEDUP_RATIO),
                         *planes,
                         *self.disagg_args(role),
+                        *self.event_args(i, role),
                     ],
                     self.ctx.workdir,
                     f"http://127.0.0.1:{system_port}/health",
@@ -218,6 +228,32 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
                 self.name, f"frontend never listed {WORKERS} workers for model {MODEL_NAME}", tails
             )
         self.config = config
+
+    def event_args(self, index: int, role: str | None) -> list[str]:
+        """An aggregated mocker publishes its KV events in vLLM's ZMQ format on a port of its
+        own, with a replay socket for gaps (dynamo/mocker/args.py:546, :555); the suite's
+        subscriber connects to it (the mocker binds) and feeds that mocker's ledger stream."""
+        if role is not None:
+            return []
+        events, replay = free_port(), free_port()
+        self.subscribers.append(
+            ZmqEventSubscriber(
+                self.streams.streams[f"mocker-{index}"],
+                f"tcp://127.0.0.1:{events}",
+                replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                connect=True,
+            )
+        )
+        return ["--zmq-kv-events-ports", str(events), "--zmq-replay-ports", str(replay)]
+
+    def drain_events(self) -> int:
+        time.sleep(self.event_settle_s)
+        return sum(sub.fill_gaps() for sub in self.subscribers)
+
+    def close_event_subscriber(self) -> None:
+        for sub in self.subscribers:
+            sub.close()
+        self.subscribers = []
 
     @staticmethod
     def worker_roles(config: EngineConfig) -> list[str | None]:
@@ -253,6 +289,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
             reports.append(self.frontend.stop())
         self.mockers, self.frontend = [], None
         self.system_ports = []
+        self.close_event_subscriber()
         self.config = None
         if self._stack is not None:
             left = self.leftover_registrations(self._stack)
