@@ -60,8 +60,10 @@ Key = tuple[str, str | None]  # (engine or double, fault or None for the clean r
 
 
 def violated(record: dict) -> set[str]:
-    """The measures a stored record (results.json or the matrix's slim copy) has VIOLATED."""
-    return {m["name"] for m in record.get("measures", []) if m.get("ok") is False}
+    """The measures a stored record (results.json or the matrix's slim copy) has VIOLATED; an
+    unmet precondition (Verdict.require) voids the check, it is no measure of the engine."""
+    measures = record.get("measures", [])
+    return {m["name"] for m in measures if m.get("ok") is False and not m.get("precondition")}
 
 
 def expected(record: dict) -> set[str]:
