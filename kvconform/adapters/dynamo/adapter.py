@@ -75,6 +75,9 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
             C.DISAGG_SERVING,
         }
     )
+    # Attached, the suite knows the frontend only: the mockers' system ports (their KV usage,
+    # their request counts) and event ports are a team's own.
+    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {C.ABORT_REQUESTS, C.KV_EVENTS}
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
         "prefix_hits": "dynamo_frontend_cached_tokens_sum",
