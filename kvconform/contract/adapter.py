@@ -74,6 +74,9 @@ class EngineAdapter(ABC):
     # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
     # it (an engine that publishes gauges only per batch and on an idle timer).
     idle_gauge_refresh_s: ClassVar[float] = 0.0
+    # The modes of the engine's offline trace replay (TRACE_REPLAY): aggregated, and a
+    # disaggregated prefill -> decode hand-off where the engine simulates one.
+    replay_modes: ClassVar[tuple[str, ...]] = ("agg", "disagg")
     # Seconds the engine waits, by its own design, between a client's disconnect and the abort
     # of its request (0: at once).
     abort_delay_s: ClassVar[float] = 0.0

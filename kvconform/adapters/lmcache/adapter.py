@@ -320,6 +320,8 @@ class LmcacheAdapter(EngineAdapter):
         self.inproc = self.simulator = None
 
     # ---- offline replay (TRACE_REPLAY) --------------------------------------------------
+    replay_modes: ClassVar[tuple[str, ...]] = ("agg",)  # one cache: no workers, clock or hand-off
+
     def replay(
         self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
     ) -> dict[str, Any]:
