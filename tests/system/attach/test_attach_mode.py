@@ -23,7 +23,16 @@ from tests.paths import REPO
 from tests.system.suite_runs import run_suites
 
 ROOT = REPO
-LAUNCH_ONLY = ("restart", "block_size_config", "instance_churn", "host_memory", "kv_events", "offload")
+# release_guard: vLLM's scheduler is driven in the suite's own vllm env, not the attached server's.
+LAUNCH_ONLY = (
+    "restart",
+    "block_size_config",
+    "instance_churn",
+    "host_memory",
+    "kv_events",
+    "offload",
+    "release_guard",
+)
 
 
 @pytest.fixture(scope="module")
