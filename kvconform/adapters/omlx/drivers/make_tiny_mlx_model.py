@@ -4,6 +4,9 @@ Runs inside the omlx environment (needs `mlx`, `mlx_lm` and `tokenizers`); no mo
 Unlike kvconform's shared tiny model, oMLX loads real weights, so they are written here
 (random, seeded, small). The tokenizer is word-level: words w0..w{vocab-1} map one-to-one
 to token ids, so a prompt's token count is its word count and block oracles apply exactly.
+oMLX has no `ignore_eos`, so the end-of-sequence token's output row is zero: its logit is 0
+while the greedy winner among 4,095 random logits is positive, so a reply runs to `max_tokens`
+(a streamed request lasts as long as the suite asked, whatever the prompt).
 The chat template only joins message contents with spaces (for /v1/chat/completions and the
 admin cache probe); it adds no tokens of its own.
 
@@ -102,6 +105,10 @@ def main() -> None:
         else:
             scale = (2.0 if "v_proj" in key or "o_proj" in key else 1.0) / value.shape[-1] ** 0.5
             weights[key] = (mx.random.normal(value.shape) * scale).astype(mx.float16)
+    head = weights["lm_head.weight"]
+    weights["lm_head.weight"] = mx.concatenate(
+        [head[: config["eos_token_id"]], mx.zeros_like(head[:1]), head[config["eos_token_id"] + 1 :]]
+    )
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     print(json.dumps({"wrote": str(out), "parameters": sum(v.size for v in weights.values())}))
 
