@@ -14,6 +14,7 @@ import os
 import queue
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,14 @@ def with_engine_side_path(env: dict[str, str] | None) -> dict[str, str]:
     out = dict(env or {})
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [out.get("PYTHONPATH"), str(ENGINE_SIDE_DIR)]))
     return out
+
+
+def live_driver(current: DriverProcess | None, start: Callable[[], DriverProcess]) -> DriverProcess:
+    """`current` while its process lives, else a new driver from `start`: a driver that died (a
+    crash the last call reported) is replaced for the next call, its log kept."""
+    if current is not None and current.process.alive():
+        return current
+    return start()
 
 
 SHUTDOWN_EXIT_S = 10.0  # a driver's own exit after `shutdown`

@@ -29,7 +29,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
-from kvconform.kit.drivers import DriverProcess
+from kvconform.kit.drivers import DriverProcess, live_driver
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes, threads_measure
 from kvconform.metrics import MetricSnapshot
@@ -342,14 +342,16 @@ class LmcacheAdapter(EngineAdapter):
             }
             for req in trace
         ]
-        if self.simulator is None or not self.simulator.process.alive():
-            self.simulator = DriverProcess(
+        self.simulator = live_driver(
+            self.simulator,
+            lambda: DriverProcess(
                 self.name,
                 self.env().python,
                 DRIVERS / "lmcache_simulator_driver.py",
                 self.ctx.workdir / "logs" / "lmcache-simulator.log",
                 env=LMCACHE_ENV,
-            )
+            ),
+        )
         got = self.simulator.call(
             "replay",
             requests=requests,
@@ -566,14 +568,16 @@ class LmcacheAdapter(EngineAdapter):
         return {"teardown": report.describe()}
 
     def _inproc_cycle(self, index: int, tokens: list[int]) -> dict[str, Any]:
-        if self.inproc is None or not self.inproc.process.alive():
-            self.inproc = DriverProcess(
+        self.inproc = live_driver(
+            self.inproc,
+            lambda: DriverProcess(
                 self.name,
                 self.env().python,
                 DRIVERS / "lmcache_inproc_driver.py",
                 self.ctx.workdir / "logs" / "lmcache-inproc.log",
                 env=LMCACHE_ENV,
-            )
+            ),
+        )
         engine_id = f"churn-{index}"
         self.inproc.call(
             "create", engine_id=engine_id, chunk_size=self.block_size(), max_local_cpu_size_gb=self.l1_gb()

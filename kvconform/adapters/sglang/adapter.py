@@ -25,7 +25,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, Kind, KvEvent, hash_text
-from kvconform.kit.drivers import DriverProcess
+from kvconform.kit.drivers import DriverProcess, live_driver
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.processes import TeardownReport
 
@@ -115,13 +115,15 @@ class SglangAdapter(EngineAdapter):
         self.start(config)
 
     def start(self, config: EngineConfig) -> None:
-        if self.driver is None or not self.driver.process.alive():
-            self.driver = DriverProcess(
+        self.driver = live_driver(
+            self.driver,
+            lambda: DriverProcess(
                 self.name,
                 self.env().python,
                 DRIVERS / "sglang_driver.py",
                 self.ctx.workdir / "logs" / "sglang-driver.log",
-            )
+            ),
+        )
         # A release older than the cache API the driver speaks (the release-history corpus runs
         # only the transfer ops there) starts without a cache; a cache op then names what is missing.
         self.cache_api = bool(self.driver.call("info").get("cache_api", True))
