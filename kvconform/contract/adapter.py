@@ -342,8 +342,12 @@ class EngineAdapter(ABC):
         absent after routed traffic is an EngineError naming it, never zero events."""
         return None
 
-    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
-        """Serve a prompt through the prefill -> decode deployment (EngineConfig(disaggregated))."""
+    def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        """Serve a prompt through the prefill -> decode deployment (EngineConfig(disaggregated)):
+        prompt_tokens as the decode side counted them, cached_tokens the prefix reuse the
+        prefill side had, output the decode side's answer (`max_tokens` greedy ids, where
+        ANSWERS_FROM_KV), and source["handoff"] the prompt tokens the decode side received
+        from the prefill rather than computed, where the engine says (absent: not judged)."""
         raise NotImplementedError
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.events import StreamedLedger
-from kvconform.kit.drivers import DriverProcess, engine_side_script
+from kvconform.kit.drivers import DriverProcess, engine_side_script, live_driver
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
@@ -362,10 +362,10 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
 
-    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+    def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         if self.config is None or not self.config.disaggregated:
             raise EngineError(self.name, "serve_disaggregated needs EngineConfig(disaggregated=True)")
-        return self.serve_prompt(tokens)
+        return self.serve_prompt(tokens, max_tokens)
 
     def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
         """The router's prediction for this request: nvext.timing.kv_hit_rate is matched
@@ -461,14 +461,16 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         return self.inproc("replay", trace=trace, engine_args=engine_args, mode=mode, **options)
 
     def inproc(self, op: str, **args: Any) -> Any:
-        if self.driver is None or not self.driver.process.alive():
-            self.driver = DriverProcess(
+        self.driver = live_driver(
+            self.driver,
+            lambda: DriverProcess(
                 self.name,
                 self.env().python,
                 DRIVERS / "dynamo_driver.py",
                 self.ctx.workdir / "logs" / "dynamo-driver.log",
                 env=self.stack_env(self.ctx.workdir / "driver"),
-            )
+            ),
+        )
         return self.driver.call(op, **args)
 
     # ---- slot tracker (BLOCK_TRACKER) ---------------------------------------------------

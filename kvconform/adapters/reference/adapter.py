@@ -473,7 +473,7 @@ class ReferenceAdapter(EngineAdapter):
             for it in self.get_json("/kv_stats")
         ]
 
-    def serve_disaggregated(self, tokens: list[int]) -> ServedPrompt:
+    def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         """Prefill here, hand the KV pages to the decode instance (the transfer path)."""
         receiver = self.ensure_decode_instance()
         result = self.post_json(
@@ -495,7 +495,13 @@ class ReferenceAdapter(EngineAdapter):
                 f"(GET /transfer/received -> {received.status_code})",
                 self.log_tail(),
             )
-        return ServedPrompt(int(received.json()["prompt_tokens"]), int(result["cached"]), [])
+        # The reference's decode instance keeps received pages apart from its prefix cache: its
+        # answer is computed over KV of its own (what the answer measure compares), and it
+        # says nothing of a hand-off into its pool (source has no "handoff").
+        answer = self.http.post(
+            f"{receiver}/v1/completions", json={"prompt": tokens, "max_tokens": max_tokens}, timeout=30
+        ).json()["choices"][0]["token_ids"]
+        return ServedPrompt(int(received.json()["prompt_tokens"]), int(result["cached"]), list(answer))
 
     def release_twice(self, tokens: list[int]) -> dict[str, Any]:
         return self.post_json("/admin/release_twice", {"prompt": tokens})

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvconform import envs
+from kvconform.adapters.vllm.disagg import DisaggregatedPair
 from kvconform.contract import (
     AdapterContext,
     Capability,
@@ -23,7 +24,7 @@ from kvconform.contract import (
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
-from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
@@ -83,7 +84,7 @@ TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
 SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD): a few prompts' worth
 
 
-class VllmAdapter(RestartChurn, EngineAdapter):
+class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
     name = "vllm"
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
@@ -108,6 +109,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
             C.OFFLOAD_STORE_THRESHOLD,
             C.CACHE_SALT,
             C.RELEASE_GUARD,  # vLLM's own scheduler, in-process (drivers/vllm_scheduler_driver.py)
+            C.DISAGG_SERVING,  # a prefill and a decode server, vLLM's shared-storage connector (disagg.py)
         }
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
@@ -136,6 +138,7 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
         C.KV_EVENTS,
         C.RELEASE_GUARD,  # judges the vLLM installed here, not the attached server's
+        C.DISAGG_SERVING,  # the suite launches the decode instance beside its prefill
         C.OFFLOAD_GAUGES,
         C.OFFLOAD_HOST_HITS,
         C.OFFLOAD_STORE_THRESHOLD,
@@ -223,10 +226,16 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         return [str(self.env().bin("vllm")), *self.serve_args(config, port, events, replay)]
 
     def serve_args(
-        self, config: EngineConfig, port: int, events: str, replay: str, model: str | None = None
+        self,
+        config: EngineConfig,
+        port: int,
+        events: str,
+        replay: str,
+        model: str | None = None,
+        role: str = "kv_producer",
     ) -> list[str]:
         """`serve ...`, the arguments after the program: the profile's deployment, or the tiny
-        CPU model."""
+        CPU model; disaggregated, the prefill's (`role` kv_producer) or the decode's."""
         block = config.block_size or self.default_block_size
         kv_events = {
             "enable_kv_cache_events": True,
@@ -244,6 +253,8 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         argv += ["--shutdown-timeout", str(SHUTDOWN_GRACE_S)]  # before the profile's: it may set its own
         if config.offload:
             argv += self.offload_args(config.offload_store_threshold)
+        if config.disaggregated:
+            argv += self.handoff_args(role)
         return [*argv, *self.profile.extra_args]
 
     @property
@@ -434,6 +445,11 @@ class VllmAdapter(RestartChurn, EngineAdapter):
     def start(self, config: EngineConfig) -> None:
         if config.persistent:
             raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
+        if config.disaggregated and config.offload:
+            raise NotImplementedError("vllm: one --kv-transfer-config: the offload tier or the P/D connector")
+        if config.disaggregated:
+            self.handoff_args("kv_producer")  # NotImplementedError now, before a server starts
+            self.clear_handoff()
         if config.offload:
             # NotImplementedError now, before a server starts
             self.offload_args(config.offload_store_threshold)
@@ -469,7 +485,12 @@ class VllmAdapter(RestartChurn, EngineAdapter):
                 shm_patterns=("psm_*",),
                 session=self.http,
             )
+            if config.disaggregated:
+                self.start_decode(config, env)
         except Exception:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
             self.close_event_subscriber()
             raise
         self.config = config
@@ -494,12 +515,14 @@ class VllmAdapter(RestartChurn, EngineAdapter):
                     report.notes.append(FORCED_SHUTDOWN_NOTE)
             reports.append(report)
             self.server = None
+        reports += self.stop_decode()
         self.close_event_subscriber()
         self.config = None
         return reports
 
     def running(self) -> bool:
-        return self.server is not None and self.server.process.alive()
+        decode_alive = self.decode_server is None or self.decode_server.process.alive()
+        return self.server is not None and self.server.process.alive() and decode_alive
 
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
@@ -590,14 +613,16 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         """One request aborted twice through Scheduler.finish_requests (what EngineCore's
         abort_requests calls), in vLLM's own scheduler and KV cache manager built as EngineCore
         builds them, without a model (drivers/vllm_scheduler_driver.py)."""
-        if self.scheduler_driver is None or not self.scheduler_driver.process.alive():
-            self.scheduler_driver = DriverProcess(
+        self.scheduler_driver = live_driver(
+            self.scheduler_driver,
+            lambda: DriverProcess(
                 self.name,
                 self.env().python,
                 DRIVERS / "vllm_scheduler_driver.py",
                 self.ctx.workdir / "logs" / "vllm-scheduler-driver.log",
                 start_timeout_s=self.ctx.start_timeout_s,
-            )
+            ),
+        )
         self._released += 1
         return self.scheduler_driver.call(
             "release_twice",
@@ -625,7 +650,10 @@ class VllmAdapter(RestartChurn, EngineAdapter):
         return self.server.log_tail(lines) if self.server else ""
 
     def describe_logs(self) -> dict[str, str]:
-        return {"vllm serve": self.log_tail(80)} if self.server else {}
+        logs = {"vllm serve": self.log_tail(80)} if self.server else {}
+        if self.decode_server is not None:
+            logs["vllm serve (decode)"] = self.decode_server.log_tail(80)
+        return logs
 
 
 def profile_serve_args(profile: LaunchProfile, block_size: int, port: int) -> list[str]:

@@ -166,9 +166,15 @@ class VllmLmcacheAdapter(VllmAdapter):
 
     # ---- lifecycle --------------------------------------------------------------------------
     def serve_args(
-        self, config: EngineConfig, port: int, events: str, replay: str, model: str | None = None
+        self,
+        config: EngineConfig,
+        port: int,
+        events: str,
+        replay: str,
+        model: str | None = None,
+        role: str = "kv_producer",
     ) -> list[str]:
-        argv = super().serve_args(config, port, events, replay, model)
+        argv = super().serve_args(config, port, events, replay, model, role)
         return [*argv, "--kv-transfer-config", json.dumps(self.connector_config())]
 
     def command_argvs(self) -> list[list[str]]:
@@ -177,7 +183,7 @@ class VllmLmcacheAdapter(VllmAdapter):
 
     def start(self, config: EngineConfig) -> None:
         """vLLM against the LMCache server; `persistent` is what the server always gives."""
-        if config.offload:
+        if config.offload or config.disaggregated:
             raise NotImplementedError("vllm-lmcache: the connector owns --kv-transfer-config")
         self._ensure_lmcache(config.block_size or self.default_block_size)
         super().start(config.with_(persistent=False))

@@ -89,12 +89,14 @@ FAULTS: dict[str, Fault] = {
         (
             "prefix_reuse::test_repeated_prompt_served_from_cache",
             "prefix_reuse::test_reset_drops_cached_prefix",
+            "transfer::test_disaggregated_serving_reports_prefix_reuse",
         ),
         "vLLM #7845 and #5543 (same greedy prompt, different completions with prefix caching), "
         "tenstorrent/vllm#415 (corrupted KV on hits): a hit served with the wrong KV",
         (
             "prefix_reuse::test_repeated_prompt_served_from_cache:answer_from_cache_vs_cold",
             "prefix_reuse::test_reset_drops_cached_prefix:answer_from_cache_vs_after_reset",
+            "transfer::test_disaggregated_serving_reports_prefix_reuse:decode_answer_vs_prefill_side",
         ),
     ),
     "stale_index_after_evict": Fault(

@@ -1,5 +1,11 @@
 """A disaggregated deployment (prefill instance -> KV hand-off -> decode instance) serves
-requests end to end and reports the prefix reuse its prefill side really had."""
+requests end to end, reports the prefix reuse its prefill side really had, hands the decode side
+the prompt's KV instead of leaving it to recompute, and answers as the prefill side would.
+
+The hand-off is judged where the engine counts what its decode side received (a key mismatch
+between the two sides, LMCache/LMCache#1133, serves every request but recomputes it all); the
+answer where a model computes it from the KV (a full hit that decodes from the wrong KV,
+vllm-project/vllm#52617, counts right and answers wrong)."""
 
 from __future__ import annotations
 
@@ -10,17 +16,18 @@ from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.answers import answer_tokens, judge_same_answer
 
 pytestmark = [pytest.mark.requires(C.DISAGG_SERVING), pytest.mark.engine_config(disaggregated=True)]
 
 
 def test_disaggregated_serving_reports_prefix_reuse(
-    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
     engine.ensure(EngineConfig(disaggregated=True))
     block = engine.block_size()
     prompt = prompts.fresh(4 * block + 5)
-    first = engine.serve_disaggregated(prompt)
+    first = engine.serve_disaggregated(prompt, answer_tokens(has))
     second = engine.serve_disaggregated(prompt)
     expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token)
     verdict.equal("prompt_tokens_served", second.prompt_tokens, len(prompt), "tokens")
@@ -32,4 +39,20 @@ def test_disaggregated_serving_reports_prefix_reuse(
         "tokens",
         note="the prefill side holds the whole prompt: whole blocks, last-token rule",
     )
+    handoff = first.source.get("handoff")
+    if handoff is None:
+        verdict.record("first_request_handed_off_tokens", "not counted by the engine", note="not judged")
+    else:
+        verdict.equal(
+            "first_request_handed_off_tokens",
+            handoff,
+            expected,
+            "tokens",
+            note="the decode side receives the prefill's KV of the prompt's whole blocks (last-token "
+            "rule) and computes only the rest",
+        )
+    if has(C.ANSWERS_FROM_KV):
+        # The prefill side's own answer: a monolithic serve of the prompt over the KV it computed.
+        local = engine.serve_prompt(prompt, answer_tokens(has))
+        judge_same_answer(verdict, "decode_answer_vs_prefill_side", first, local, has)
     verdict.conclude()

@@ -23,7 +23,8 @@ from tests.paths import REPO
 from tests.system.suite_runs import run_suites
 
 ROOT = REPO
-# release_guard: vLLM's scheduler is driven in the suite's own vllm env, not the attached server's.
+# release_guard: vLLM's scheduler is driven in the suite's own vllm env, not the attached server's;
+# disagg_serving: the suite launches the decode server beside the prefill.
 LAUNCH_ONLY = (
     "restart",
     "block_size_config",
@@ -32,6 +33,7 @@ LAUNCH_ONLY = (
     "kv_events",
     "offload",
     "release_guard",
+    "disagg_serving",
 )
 
 
