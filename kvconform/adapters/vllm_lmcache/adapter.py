@@ -70,6 +70,10 @@ class VllmLmcacheAdapter(VllmAdapter):
             # A prefix is gone from the stack only once vLLM's pool and the server's L1 (LRU,
             # evicted from a loop) both dropped it: cache_capacity_tokens is the larger of two.
             C.FORCED_EVICTION,
+            # A prefill and a decode vLLM against the one LMCache server: the prefill stores the
+            # prompt's chunks, the decode loads them (adapters/vllm/disagg.py's pair, no P/D
+            # connector of vLLM's: the hand-off is LMCache's store and retrieve).
+            C.DISAGG_SERVING,
         }
     )
     eviction_period_s = L1_EVICTION_PERIOD_S
@@ -177,13 +181,21 @@ class VllmLmcacheAdapter(VllmAdapter):
         argv = super().serve_args(config, port, events, replay, model, role)
         return [*argv, "--kv-transfer-config", json.dumps(self.connector_config())]
 
+    def handoff_args(self, role: str) -> list[str]:
+        """Both instances of the pair run the LMCache connector (kv_both): what the prefill
+        stores, the decode finds in the server and loads (its external prefix hits)."""
+        return []
+
+    def clear_handoff(self) -> None:
+        """Nothing to clear: the check's prompts are fresh to the LMCache server."""
+
     def command_argvs(self) -> list[list[str]]:
         events, replay = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"
         return [self.serve_args(EngineConfig(), 8000, events, replay, "/placeholder/model")]
 
     def start(self, config: EngineConfig) -> None:
         """vLLM against the LMCache server; `persistent` is what the server always gives."""
-        if config.offload or config.disaggregated:
+        if config.offload:
             raise NotImplementedError("vllm-lmcache: the connector owns --kv-transfer-config")
         self._ensure_lmcache(config.block_size or self.default_block_size)
         super().start(config.with_(persistent=False))
