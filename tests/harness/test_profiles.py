@@ -4,6 +4,7 @@ flag fails with its name). Skips, saying so, where a CPU env is not built."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -145,6 +146,34 @@ def test_connector_profile_has_no_offload_variant(tmp_path: Path):
     assert len(adapter.command_argvs()) == 1
     with pytest.raises(NotImplementedError, match="connector"):
         adapter.offload_args()
+
+
+def transfer_config(argv: list[str]) -> dict:
+    flags = [i for i, a in enumerate(argv) if a == "--kv-transfer-config"]
+    assert len(flags) == 1, f"one --kv-transfer-config, found {len(flags)}"
+    return json.loads(argv[flags[0] + 1])
+
+
+def test_vllm_pair_is_a_producer_and_a_consumer_of_one_store(tmp_path: Path):
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    pair = EngineConfig(disaggregated=True)
+    args = ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "/placeholder/model")
+    prefill = transfer_config(adapter.serve_args(pair, 8000, *args))
+    decode = transfer_config(adapter.serve_args(pair, 8001, *args, role="kv_consumer"))
+    assert (prefill["kv_connector"], prefill["kv_role"]) == ("ExampleConnector", "kv_producer")
+    assert (decode["kv_connector"], decode["kv_role"]) == ("ExampleConnector", "kv_consumer")
+    store = prefill["kv_connector_extra_config"]["shared_storage_path"]
+    assert store == decode["kv_connector_extra_config"]["shared_storage_path"] == str(adapter.handoff_dir())
+    with pytest.raises(NotImplementedError, match="offload tier or the P/D connector"):
+        adapter.start(EngineConfig(disaggregated=True, offload=True))
+
+
+def test_vllm_lmcache_pair_hands_off_through_its_lmcache_connector(tmp_path: Path):
+    adapter = VllmLmcacheAdapter(AdapterContext(workdir=tmp_path))
+    argv = adapter.serve_args(
+        EngineConfig(disaggregated=True), 8001, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "/m", "kv_consumer"
+    )
+    assert transfer_config(argv)["kv_connector"] == "LMCacheMPConnector"
 
 
 @pytest.mark.parametrize(
