@@ -633,34 +633,42 @@ class EngineAdapter(ABC):
         return sample_processes(self.engine_pids())
 
     # ---- helpers for HTTP engines ---------------------------------------------------------
-    def url(self, path: str) -> str:
-        if self.base_url is None:
+    # `base`: another server of the same engine (a decode instance, a worker's system port)
+    # instead of base_url, with the same timeouts and errors.
+    def url(self, path: str, base: str | None = None) -> str:
+        root = base or self.base_url
+        if root is None:
             raise EngineError(self.name, "not started")
-        return self.base_url.rstrip("/") + path
+        return root.rstrip("/") + path
 
     def get_json(self, path: str, timeout: float | None = None) -> Any:
         resp = self._request("GET", path, timeout=timeout)
         return self._json(resp, path)
 
-    def post_json(self, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        resp = self._request("POST", path, json=body, timeout=timeout)
+    def post_json(
+        self, path: str, body: Any = None, timeout: float | None = None, base: str | None = None
+    ) -> Any:
+        resp = self._request("POST", path, json=body, timeout=timeout, base=base)
         return self._json(resp, path)
 
-    def scrape(self, path: str = "/metrics") -> MetricSnapshot:
-        resp = self._request("GET", path)
-        return parse_prometheus(resp.text, self.name, path)
+    def scrape(self, path: str = "/metrics", base: str | None = None) -> MetricSnapshot:
+        resp = self._request("GET", path, base=base)
+        return parse_prometheus(resp.text, self.name, f"{base or ''}{path}")
 
-    def _request(self, method: str, path: str, timeout: float | None = None, **kw: Any) -> requests.Response:
+    def _request(
+        self, method: str, path: str, timeout: float | None = None, base: str | None = None, **kw: Any
+    ) -> requests.Response:
+        what = f"{method} {base or ''}{path}"
         try:
             resp = self.http.request(
-                method, self.url(path), timeout=timeout or self.ctx.request_timeout_s, **kw
+                method, self.url(path, base), timeout=timeout or self.ctx.request_timeout_s, **kw
             )
         except requests.RequestException as exc:
-            self._suspect = f"{method} {path} failed: {type(exc).__name__}"
-            raise EngineError(self.name, f"{method} {path} failed: {exc}", self.log_tail()) from None
+            self._suspect = f"{what} failed: {type(exc).__name__}"
+            raise EngineError(self.name, f"{what} failed: {exc}", self.log_tail()) from None
         if resp.status_code >= 400:
             raise EngineError(
-                self.name, f"{method} {path} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
+                self.name, f"{what} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
             )
         return resp
 

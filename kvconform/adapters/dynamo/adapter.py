@@ -32,7 +32,7 @@ from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure
-from kvconform.metrics import MetricSnapshot, parse_prometheus
+from kvconform.metrics import MetricSnapshot
 from kvconform.polling import seconds_until_steady
 from kvconform.processes import TeardownReport, free_port
 
@@ -410,11 +410,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         snap = self.scrape("/metrics")
         for index, port in enumerate(self.system_ports):
             where = f"mocker {index} /metrics"
-            try:
-                resp = self.http.get(f"http://127.0.0.1:{port}/metrics", timeout=self.ctx.request_timeout_s)
-            except requests.RequestException as exc:
-                raise EngineError(self.name, f"{where} failed: {exc}", self.log_tail()) from None
-            worker = parse_prometheus(resp.text, self.name, where)
+            worker = self.scrape("/metrics", base=f"http://127.0.0.1:{port}")
             # The vllm: gauges appear with a mocker's first request (1.6.1, measured): absent on
             # a mocker whose generate endpoint has served nothing, they are 0; absent after
             # that, an error.

@@ -171,9 +171,11 @@ class OmlxAdapter(EngineAdapter):
             headers["Cookie"] = f"{SESSION_COOKIE}={self._admin_cookie}"
         return headers
 
-    def _request(self, method: str, path: str, timeout: float | None = None, **kw: Any) -> requests.Response:
+    def _request(
+        self, method: str, path: str, timeout: float | None = None, base: str | None = None, **kw: Any
+    ) -> requests.Response:
         kw["headers"] = {**self._headers(), **(kw.get("headers") or {})}
-        return super()._request(method, path, timeout=timeout, **kw)
+        return super()._request(method, path, timeout=timeout, base=base, **kw)
 
     # ---- identity -----------------------------------------------------------------------
     def _built_env(self) -> BuiltEnv | None:

@@ -222,8 +222,25 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             self._model_dir = out
         return self._model_dir
 
-    def server_argv(self, config: EngineConfig, port: int, events: str, replay: str) -> list[str]:
-        return [str(self.env().bin("vllm")), *self.serve_args(config, port, events, replay)]
+    def server_argv(
+        self, config: EngineConfig, port: int, events: str, replay: str, role: str = "kv_producer"
+    ) -> list[str]:
+        return [str(self.env().bin("vllm")), *self.serve_args(config, port, events, replay, role=role)]
+
+    def _launch(
+        self, process_name: str, argv: list[str], base_url: str, env: dict[str, str]
+    ) -> LaunchedServer:
+        return LaunchedServer(
+            self.name,
+            process_name,
+            argv,
+            self.ctx.workdir,
+            f"{base_url}/health",
+            env=env,
+            timeout_s=self.ctx.start_timeout_s,
+            shm_patterns=("psm_*",),
+            session=self.http,
+        )
 
     def serve_args(
         self,
@@ -474,19 +491,16 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         if self._gpu_before is None and nvml().available:
             self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
-            self.server = LaunchedServer(
-                self.name,
-                "vllm-serve",
-                self.server_argv(config, port, events, replay),
-                workdir,
-                self.url("/health"),
-                env=env,
-                timeout_s=self.ctx.start_timeout_s,
-                shm_patterns=("psm_*",),
-                session=self.http,
+            self.server = self._launch(
+                "vllm-serve", self.server_argv(config, port, events, replay), self.base_url, env
             )
             if config.disaggregated:
-                self.start_decode(config, env)
+                decode_port = free_port()
+                self.decode_url = f"http://127.0.0.1:{decode_port}"
+                # its own event sockets, bound by vLLM and read by nobody: the ledger is the prefill's
+                unread, unread_replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+                argv = self.server_argv(config, decode_port, unread, unread_replay, role="kv_consumer")
+                self.decode_server = self._launch("vllm-serve-decode", argv, self.decode_url, env)
         except Exception:
             if self.server is not None:
                 self.server.stop()
@@ -515,7 +529,9 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
                     report.notes.append(FORCED_SHUTDOWN_NOTE)
             reports.append(report)
             self.server = None
-        reports += self.stop_decode()
+        if self.decode_server is not None:
+            reports.append(self.decode_server.stop())
+            self.decode_server = self.decode_url = None
         self.close_event_subscriber()
         self.config = None
         return reports

@@ -24,12 +24,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconform.contract import EngineConfig, ServedPrompt
+from kvconform.contract import ServedPrompt
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
-from kvconform.metrics import parse_prometheus
-from kvconform.processes import TeardownReport, free_port
 
 if TYPE_CHECKING:
     from kvconform.contract import EngineAdapter
@@ -46,22 +44,13 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 
 class DisaggregatedPair(_Base):
     """What VllmAdapter composes for EngineConfig(disaggregated=True): its own server is the
-    prefill instance; this part launches, serves through and stops the decode instance."""
+    prefill instance, `decode_server` (launched beside it by VllmAdapter.start) the decode;
+    this part is the connector's arguments and the way a request goes through the pair."""
 
     decode_server: LaunchedServer | None = None
     decode_url: str | None = None
     if TYPE_CHECKING:  # VllmAdapter's
         profile: LaunchProfile
-
-        def serve_args(
-            self,
-            config: EngineConfig,
-            port: int,
-            events: str,
-            replay: str,
-            model: str | None = None,
-            role: str = "kv_producer",
-        ) -> list[str]: ...
 
     def handoff_dir(self) -> Path:
         return self.ctx.workdir / "pd-handoff"
@@ -84,31 +73,6 @@ class DisaggregatedPair(_Base):
         shutil.rmtree(self.handoff_dir(), ignore_errors=True)
         self.handoff_dir().mkdir(parents=True)
 
-    def start_decode(self, config: EngineConfig, env: dict[str, str]) -> None:
-        port = free_port()
-        events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        args = self.serve_args(config, port, events, replay, role="kv_consumer")
-        argv = [str(self.env().bin("vllm")), *args]
-        self.decode_url = f"http://127.0.0.1:{port}"
-        self.decode_server = LaunchedServer(
-            self.name,
-            "vllm-serve-decode",
-            argv,
-            self.ctx.workdir,
-            f"{self.decode_url}/health",
-            env=env,
-            timeout_s=self.ctx.start_timeout_s,
-            shm_patterns=("psm_*",),
-            session=self.http,
-        )
-
-    def stop_decode(self) -> list[TeardownReport]:
-        if self.decode_server is None:
-            return []
-        report = self.decode_server.stop()
-        self.decode_server = self.decode_url = None
-        return [report]
-
     def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         """Prefill (max_tokens 1, its cached tokens are the prefix reuse the deployment had),
         then decode: its prompt count and answer, and in source["handoff"] the tokens it loaded
@@ -118,20 +82,15 @@ class DisaggregatedPair(_Base):
         prefill = self.openai_completion(tokens, 1, return_token_ids=True)
         before = self._decode_external_hits()
         body: dict[str, Any] = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
-        url = f"{self.decode_url}/v1/completions"
-        resp = self.http.post(url, json=body, timeout=self.ctx.request_timeout_s)
-        if resp.status_code != 200:
-            raise EngineError(
-                self.name, f"decode instance: /v1/completions -> HTTP {resp.status_code}: {resp.text[:300]}"
-            )
-        decode = self.served_from_openai(resp.json(), tokens)
+        decode = self.served_from_openai(
+            self.post_json("/v1/completions", body, base=self.decode_url), tokens
+        )
         handoff = self._decode_external_hits() - before
         source = {"handoff": round(handoff)}
         return ServedPrompt(decode.prompt_tokens, prefill.cached_tokens, decode.output, source)
 
     def _decode_external_hits(self) -> float:
-        resp = self.http.get(f"{self.decode_url}/metrics", timeout=10)
-        snapshot = parse_prometheus(resp.text, self.name, "decode /metrics")
+        snapshot = self.scrape("/metrics", base=self.decode_url)
         if not snapshot.has(EXTERNAL_HITS):
             raise EngineError(self.name, f"the decode instance's /metrics lacks {EXTERNAL_HITS}")
         return snapshot.value(EXTERNAL_HITS)

@@ -164,8 +164,8 @@ def _patch_metrics() -> None:
     fake = f"http://127.0.0.1:{server.server_address[1]}"
     original = EngineAdapter.url
 
-    def url(self: EngineAdapter, path: str) -> str:
-        real = original(self, path)
+    def url(self: EngineAdapter, path: str, base: str | None = None) -> str:
+        real = original(self, path, base)
         if path == "/metrics" and _state["in_target"]:
             _FakeMetrics.upstream = real
             if not _state.get("logged"):
