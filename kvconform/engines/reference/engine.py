@@ -224,7 +224,9 @@ class ReferenceEngine:
             self.counters.requests += 1
             self._record_iteration(len(req.blocks) - len(fresh), len(fresh))
             if "session_growth" in self.faults:
-                self.session_copies.append(self.pool.kv[req.blocks].clone())
+                # a snapshot of the whole pool per turn: the scale RSS resolves (a copy of one
+                # conversation's blocks is below its noise; session_turn_leak is that scale)
+                self.session_copies.append(self.pool.kv.clone())
             if "session_turn_leak" in self.faults and fresh:
                 self.session_copies.append(self.pool.kv[fresh].clone())  # this turn's new KV
             self._flush_events()

@@ -218,7 +218,7 @@ FAULTS: dict[str, Fault] = {
         ("first_release_done",),
     ),
     "session_growth": Fault(
-        "each turn of a conversation keeps a private copy of its KV outside the block pool",
+        "each turn of a conversation keeps a snapshot of the KV pool outside the block pool",
         ("memory_reclaim::test_long_session_bounded",),
         "oMLX 0.5.3: resident KV accumulated over multi-turn sessions",
         (
