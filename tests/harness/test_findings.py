@@ -90,7 +90,14 @@ def test_missing_field_is_an_error(tmp_path: Path) -> None:
 
 def test_shipped_manifests_load() -> None:
     manifest = findings.load(None, engines=["vllm", "lmcache", "sglang", "dynamo", "omlx"])
-    assert {f.engine for f in manifest.entries} == {"lmcache", "lmcache-redis", "sglang", "dynamo", "omlx"}
+    assert {f.engine for f in manifest.entries} == {
+        "vllm",
+        "lmcache",
+        "lmcache-redis",
+        "sglang",
+        "dynamo",
+        "omlx",
+    }
     assert all(isinstance(f, Finding) and f.engine and f.version and f.check for f in manifest.entries)
     assert all(f.klass in findings.CLASSES and f.contract for f in manifest.entries)
     for defect in (f for f in manifest.entries if f.klass == "defect"):

@@ -168,6 +168,21 @@ def test_vllm_pair_is_a_producer_and_a_consumer_of_one_store(tmp_path: Path):
         adapter.start(EngineConfig(disaggregated=True, offload=True))
 
 
+def test_vllm_persistent_tier_is_vllms_fs_tier_behind_the_offload_tier(tmp_path: Path):
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    argv = adapter.serve_args(
+        EngineConfig(persistent=True), 8000, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "/m"
+    )
+    config = transfer_config(argv)
+    extra = config["kv_connector_extra_config"]
+    assert (config["kv_connector"], extra["spec_name"]) == ("OffloadingConnector", "KvconformTieringSpec")
+    assert [(t["type"], t["root_dir"]) for t in extra["secondary_tiers"]] == [
+        ("fs", str(adapter.fs_tier_dir()))
+    ]
+    assert "kvconform_fail_stores_file" not in extra, "store failures are the offload checks' switch"
+    assert len(adapter.command_argvs()) == 3, "default, offload and persistent reach vLLM's parser"
+
+
 def test_vllm_lmcache_pair_hands_off_through_its_lmcache_connector(tmp_path: Path):
     adapter = VllmLmcacheAdapter(AdapterContext(workdir=tmp_path))
     argv = adapter.serve_args(

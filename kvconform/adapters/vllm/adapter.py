@@ -41,7 +41,15 @@ KV_CACHE_BYTES = 8 * 2**20  # 256 blocks of 32 tokens: gauges and eviction move 
 # with a host-copy worker, since vLLM's CPU offload worker needs an accelerator.
 OFFLOAD_SPEC_MODULE = "vllm_offload_spec"
 OFFLOAD_SPEC_CLASS = "KvconformCPUOffloadingSpec"
+# The persistent tier: vLLM's TieringOffloadingSpec, a CPU primary tier (the same host-copy
+# worker) and vLLM's file-system secondary tier ("fs", vllm/v1/kv_offload/tiering/fs/manager.py).
+TIERING_SPEC_CLASS = "KvconformTieringSpec"
+CASCADE_JOBS_METRIC = "vllm:kv_offload_tiering_active_cascade_jobs"
+FLUSH_TIMEOUT_S = 30.0
+FLUSH_POLL_S = 0.3
+FS_TIER_THREADS = 2  # read and write threads each (vLLM's default 16 on a 2-core machine)
 OFFLOAD_CPU_BYTES = 8 * 2**20  # 256 host chunks of one 32-token block each
+FAIL_STORES_KEY = "kvconform_fail_stores_file"
 OFFLOAD_STORE_DELAY_S = 0.15  # stores finish this long after submit: the write gauge shows them
 OFFLOAD_LOAD_DELAY_S = 0.05
 RESET_RETRY_S = 10.0  # /reset_prefix_cache answers success=false while blocks are held
@@ -109,6 +117,8 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             C.OFFLOAD_STORE_THRESHOLD,
             C.CACHE_SALT,
             C.RELEASE_GUARD,  # vLLM's own scheduler, in-process (drivers/vllm_scheduler_driver.py)
+            C.PERSISTENT_PREFIX,  # vLLM's fs tier behind the offload tier (persistent_args)
+            C.CORRUPT_PERSISTED,
             C.DISAGG_SERVING,  # a prefill and a decode server, vLLM's shared-storage connector (disagg.py)
         }
     )
@@ -238,7 +248,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             f"{base_url}/health",
             env=env,
             timeout_s=self.ctx.start_timeout_s,
-            shm_patterns=("psm_*",),
+            shm_patterns=("psm_*", "vllm_offload_*"),
             session=self.http,
         )
 
@@ -268,7 +278,9 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             argv = ["serve", *profile_serve_args(self.profile, block, port)]
         argv += ["--kv-events-config", json.dumps(kv_events), "--disable-uvicorn-access-log"]
         argv += ["--shutdown-timeout", str(SHUTDOWN_GRACE_S)]  # before the profile's: it may set its own
-        if config.offload:
+        if config.persistent:
+            argv += self.persistent_args()
+        elif config.offload:
             argv += self.offload_args(config.offload_store_threshold)
         if config.disaggregated:
             argv += self.handoff_args(role)
@@ -307,15 +319,74 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         }
         return ["--kv-transfer-config", json.dumps(transfer)]
 
+    def persistent_args(self) -> list[str]:
+        """The offload tier with vLLM's fs tier behind it: OffloadingConnector, vLLM's tiering
+        spec (our host-copy worker) and secondary_tiers [{type fs, root_dir}]."""
+        if self.native_offload or "kv_transfer_config" in self.profile.connector:
+            raise NotImplementedError(
+                f"launch profile {self.profile.name}: the persistent tier is wired for the "
+                "host-copy spec only (CPU builds without a [connector])"
+            )
+        extra = self.host_copy_extra_config()
+        extra.pop(FAIL_STORES_KEY)
+        extra["spec_name"] = TIERING_SPEC_CLASS
+        extra["secondary_tiers"] = [
+            {
+                "type": "fs",
+                "root_dir": str(self.fs_tier_dir()),
+                "n_read_threads": FS_TIER_THREADS,
+                "n_write_threads": FS_TIER_THREADS,
+            }
+        ]
+        transfer = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        return ["--kv-transfer-config", json.dumps(transfer)]
+
+    def fs_tier_dir(self) -> Path:
+        """vLLM's fs tier root: one <hash>.bin file per block, kept across restarts."""
+        return self.ctx.workdir / "vllm-fs-tier"
+
+    def persisted_entries(self) -> list[Path]:
+        root = self.fs_tier_dir()
+        return sorted(root.rglob("*.bin")) if root.exists() else []
+
+    def flush_persistent(self) -> None:
+        """Until the fs tier holds what was stored: our worker has no store in flight, vLLM's
+        tiering manager no cascade job to the tier (vllm:kv_offload_tiering_active_cascade_jobs,
+        vllm/v1/kv_offload/tiering/metrics.py) and the tier's files stopped changing."""
+        if self.config is None or not self.config.persistent:
+            return
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        seen: tuple[int, int] | None = None
+        while time.monotonic() < deadline:
+            time.sleep(FLUSH_POLL_S)
+            log = self.offload_transfer_log() or []
+            stores_in_flight = log[-1][1] if log else 0
+            cascading = self.metrics().value(CASCADE_JOBS_METRIC, default=0.0)
+            files = self.persisted_entries()
+            state = (len(files), sum(p.stat().st_size for p in files))
+            if stores_in_flight == 0 and cascading == 0 and state == seen:
+                return
+            seen = state
+        raise EngineError(
+            self.name,
+            f"the fs tier did not settle in {FLUSH_TIMEOUT_S:.0f}s (files, bytes: {seen})",
+            self.log_tail(),
+        )
+
     def command_argvs(self) -> list[list[str]]:
         """What launch mode would run (`serve` first), for each config the suites ask for:
-        default and offload, placeholder ports; for the argument-parser check."""
+        default, offload and persistent, placeholder ports; for the argument-parser check."""
         model = None if not self.profile.is_default else "/placeholder/model"
         events, replay = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"
         argvs = [self.serve_args(EngineConfig(), 8000, events, replay, model)]
         # (a profile whose connector leaves no room for the offload tier: those checks skip)
-        with contextlib.suppress(NotImplementedError):
-            argvs.append(self.serve_args(EngineConfig(offload=True), 8000, events, replay, model))
+        for config in (EngineConfig(offload=True), EngineConfig(persistent=True)):
+            with contextlib.suppress(NotImplementedError):
+                argvs.append(self.serve_args(config, 8000, events, replay, model))
         return argvs
 
     def check_command_line(self) -> None:
@@ -360,7 +431,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             "spec_module_path": OFFLOAD_SPEC_MODULE,
             "kvconform_store_delay_s": OFFLOAD_STORE_DELAY_S,
             "kvconform_load_delay_s": OFFLOAD_LOAD_DELAY_S,
-            "kvconform_fail_stores_file": str(self.fail_stores_file()),
+            FAIL_STORES_KEY: str(self.fail_stores_file()),
             "kvconform_transfer_log": str(self.transfer_log_file()),
         }
 
@@ -370,7 +441,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
 
     def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
         """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
-        if self.config is None or not self.config.offload or self.native_offload:
+        if self.config is None or not (self.config.offload or self.config.persistent) or self.native_offload:
             return None
         path = self.transfer_log_file()
         if not path.is_file():
@@ -432,7 +503,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         )
 
     def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
-        if self.config is None or not self.config.offload:
+        if self.config is None or not (self.config.offload or self.config.persistent):
             return False
         return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
 
@@ -460,9 +531,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         return prepared - stored
 
     def start(self, config: EngineConfig) -> None:
-        if config.persistent:
-            raise NotImplementedError("vLLM persistent (disk) tier is not wired yet")
-        if config.disaggregated and config.offload:
+        if config.disaggregated and (config.offload or config.persistent):
             raise NotImplementedError("vllm: one --kv-transfer-config: the offload tier or the P/D connector")
         if config.disaggregated:
             self.handoff_args("kv_producer")  # NotImplementedError now, before a server starts
@@ -484,7 +553,9 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         }
         if not self.gpu_build():
             env["VLLM_TARGET_DEVICE"] = "cpu"
-        if config.offload:
+        if config.persistent:
+            self.persistent_args()  # NotImplementedError now, before a server starts
+        if config.offload or config.persistent:
             env["PYTHONPATH"] = str(DRIVERS)  # the offload spec module, imported by vLLM
         env.update(self.profile.env_vars)
         self._pool_blocks = None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 logger = init_logger("vllm.kvconform_offload_spec")  # vLLM's handlers: lines land in the server log
 
@@ -148,7 +150,12 @@ class HostCopyWorker(OffloadingWorker):
         store_delay_s: float,
         load_delay_s: float,
         transfer_log: str | None = None,
+        host_pages: Callable[[int], torch.Tensor] | None = None,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
+        """`host_pages(page_bytes)` gives one KV tensor's host buffer, (num_chunks, page_bytes)
+        int8; by default a private tensor. `on_shutdown` runs after the buffers are dropped."""
+        self.on_shutdown = on_shutdown
         self.device: list[torch.Tensor] = []
         self.host: list[torch.Tensor] = []
         self.page_bytes: list[int] = []
@@ -162,7 +169,9 @@ class HostCopyWorker(OffloadingWorker):
             if tensor.shape[1] < page:
                 raise ValueError(f"KV tensor row of {tensor.shape[1]} bytes < page of {page} bytes")
             self.device.append(tensor[:, :page])
-            self.host.append(torch.zeros((num_chunks, page), dtype=torch.int8))
+            self.host.append(
+                host_pages(page) if host_pages else torch.zeros((num_chunks, page), dtype=torch.int8)
+            )
             self.page_bytes.append(page)
         self.group_tensors: list[list[int]] = [
             sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs
@@ -268,6 +277,9 @@ class HostCopyWorker(OffloadingWorker):
         self.jobs.clear()
         self.host.clear()
         self.device.clear()
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+            self.on_shutdown = None
 
 
 class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
@@ -302,4 +314,53 @@ class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
             self._worker = HostCopyWorker(
                 kv_caches, chunks, self.store_delay_s, self.load_delay_s, self.transfer_log
             )
+        return self._worker
+
+
+class KvconformTieringSpec(TieringOffloadingSpec):
+    """vLLM's TieringOffloadingSpec (a CPU primary tier and the secondary tiers of its extra
+    config, such as "fs"), with the host-copy worker in place of vLLM's accelerator worker.
+
+    The worker's host buffer is the primary tier's SharedOffloadRegion, mapped as vLLM's own
+    worker maps it (one view per KV tensor in this rank's slot of each chunk row): the secondary
+    tiers read and write that region through the scheduler-side view, so what the worker
+    copies is what the fs tier persists and what a promotion loads is what the worker copies
+    back. Manager, tiers, cascade and promotion are vLLM's.
+    """
+
+    _worker: OffloadingWorker | None  # vLLM's CPUOffloadingSpec.__init__ sets it to None
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if self.blocks_per_chunk != 1:
+            raise ValueError(
+                f"kvconform host-copy worker needs blocks_per_chunk == 1, got {self.blocks_per_chunk}"
+            )
+        self.store_delay_s = float(self.extra_config.get(STORE_DELAY_KEY, 0.0))
+        self.load_delay_s = float(self.extra_config.get(LOAD_DELAY_KEY, 0.0))
+        self.transfer_log: str | None = self.extra_config.get(TRANSFER_LOG_KEY)
+        self._region: SharedOffloadRegion | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            self._region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            self._worker = HostCopyWorker(
+                kv_caches,
+                self.num_chunks,
+                self.store_delay_s,
+                self.load_delay_s,
+                self.transfer_log,
+                host_pages=self._region.create_next_worker_view,
+                # the worker process may be the region's creator (it is on the CPU backend,
+                # whose worker starts first): then its cleanup is what unlinks the /dev/shm file
+                on_shutdown=self._region.cleanup,
+            )
+        assert self._worker is not None
         return self._worker
