@@ -9,7 +9,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from kvconform import envs
 from kvconform.adapters.vllm.disagg import DisaggregatedPair
@@ -19,6 +19,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    ReleaseTwice,
     ServedPrompt,
 )
 from kvconform.contract.types import LaunchProfile
@@ -162,6 +163,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         self.profile = self.launch_profile()
         self._gpu_before: int | None = None
         self._pool_blocks: int | None = None
+        self._host_tiers: tuple[str, ...] = ()  # set at start: "host", and "fs" behind it
         self._serving = False  # healthy and not being stopped: a CUDA build holds its KV now
         self.scheduler_driver: DriverProcess | None = None  # RELEASE_GUARD
         self._released = 0
@@ -345,6 +347,12 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         }
         return ["--kv-transfer-config", json.dumps(transfer)]
 
+    def host_tier_on(self, tier: str = "host") -> bool:
+        """Whether the running server has our host tier (OffloadingConnector with our spec),
+        or ("fs") vLLM's fs tier behind it. A stack that starts vLLM with a connector of its
+        own (vllm-lmcache) has neither, whatever persistence its config asks for."""
+        return self.config is not None and tier in self._host_tiers
+
     def fs_tier_dir(self) -> Path:
         """vLLM's fs tier root: one <hash>.bin file per block, kept across restarts."""
         return self.ctx.workdir / "vllm-fs-tier"
@@ -357,7 +365,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         """Until the fs tier holds what was stored: our worker has no store in flight, vLLM's
         tiering manager no cascade job to the tier (vllm:kv_offload_tiering_active_cascade_jobs,
         vllm/v1/kv_offload/tiering/metrics.py) and the tier's files stopped changing."""
-        if self.config is None or not self.config.persistent:
+        if not self.host_tier_on("fs"):
             return
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
         seen: tuple[int, int] | None = None
@@ -441,7 +449,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
 
     def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
         """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
-        if self.config is None or not (self.config.offload or self.config.persistent) or self.native_offload:
+        if not self.host_tier_on() or self.native_offload:
             return None
         path = self.transfer_log_file()
         if not path.is_file():
@@ -503,7 +511,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         )
 
     def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
-        if self.config is None or not (self.config.offload or self.config.persistent):
+        if self.config is None or not (self.config.offload or self.host_tier_on()):
             return False
         return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
 
@@ -559,6 +567,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             env["PYTHONPATH"] = str(DRIVERS)  # the offload spec module, imported by vLLM
         env.update(self.profile.env_vars)
         self._pool_blocks = None
+        self._host_tiers = ("host", "fs") if config.persistent else ("host",) if config.offload else ()
         if self._gpu_before is None and nvml().available:
             self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
@@ -696,7 +705,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         return measures
 
     # ---- a request released twice (RELEASE_GUARD) ----------------------------------------
-    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+    def release_twice(self, tokens: list[int]) -> ReleaseTwice:
         """One request aborted twice through Scheduler.finish_requests (what EngineCore's
         abort_requests calls), in vLLM's own scheduler and KV cache manager built as EngineCore
         builds them, without a model (drivers/vllm_scheduler_driver.py)."""
@@ -711,7 +720,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             ),
         )
         self._released += 1
-        return self.scheduler_driver.call(
+        answer = self.scheduler_driver.call(
             "release_twice",
             timeout_s=300,
             model=str(self.model_dir()),
@@ -723,6 +732,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             request_id=f"kvc-release-{self._released}",
             token_ids=tokens,
         )
+        return ReleaseTwice.from_json(answer)
 
     def kv_blocks_held_bytes(self) -> float:
         """The KV blocks requests hold now, by vLLM's own count, in bytes: kv_cache_usage_perc is
