@@ -10,6 +10,8 @@ from kvconform.contract.types import (
     BlockPoolStats,
     EngineConfig,
     ModelShape,
+    ReleaseTwice,
+    SecondRelease,
     ServedPrompt,
     TransferResult,
 )
@@ -24,6 +26,8 @@ __all__ = [
     "EngineConfig",
     "LastToken",
     "ModelShape",
+    "ReleaseTwice",
+    "SecondRelease",
     "ServedPrompt",
     "TransferResult",
     "poll_until",

@@ -28,6 +28,8 @@ from kvconform.contract.types import (
     EngineConfig,
     LaunchProfile,
     ModelShape,
+    ReleaseTwice,
+    SecondRelease,
     ServedPrompt,
     TransferResult,
 )
@@ -563,13 +565,9 @@ class EngineAdapter(ABC):
         """Prefill `tokens` and transfer their KV to `destinations` decode ranks."""
         raise NotImplementedError
 
-    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
+    def release_twice(self, tokens: list[int]) -> ReleaseTwice:
         """Release one request's KV (a fresh prompt, nothing cached) twice through the engine's
-        own abort/failure release path. Returns {"first_freed_tokens": int (slots the first
-        release returned to the pool, in tokens), "second_outcome": "refused" (the guard said
-        no: a return value or an error the caller handles) | "ignored" (nothing done, nothing
-        said) | "crashed" (an assertion or the engine died: what ends a production scheduler) |
-        "ran_again", "free_delta_on_second": int (slots or blocks it freed), "detail": str}."""
+        own abort/failure release path, and say what each release did."""
         raise NotImplementedError
 
     # ---- engine-internal structures (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER)
@@ -620,8 +618,8 @@ class EngineAdapter(ABC):
         """Memory that must come back after a release, by measure."""
         raise NotImplementedError
 
-    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
-        """Release one instance, then release it again; report both answers."""
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        """Release one instance through `path`, then release it again; what each answer was."""
         raise NotImplementedError
 
     # ---- memory -------------------------------------------------------------------------

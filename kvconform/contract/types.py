@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvconform.oracles import KvLayout
 
@@ -76,6 +76,41 @@ class TransferResult:
     # Recorded, not judged: the request's states are judged through the bytes they add.
     state_indices: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+
+
+ReleaseOutcome = Literal["refused", "ignored", "crashed", "ran_again"]
+
+
+@dataclass(frozen=True)
+class ReleaseTwice:
+    """One request's KV released twice through the engine's own release path (RELEASE_GUARD)."""
+
+    first_freed_tokens: int  # slots the first release returned to the pool, in tokens
+    # "refused": the guard said no (a return value or an error the caller handles); "ignored":
+    # nothing done, nothing said; "crashed": an assertion or the engine died (what ends a
+    # production scheduler); "ran_again": the release ran a second time
+    second_outcome: ReleaseOutcome
+    free_delta_on_second: int  # slots or blocks the second release freed
+    detail: str = ""
+
+    @classmethod
+    def from_json(cls, answer: dict[str, Any]) -> ReleaseTwice:
+        """From a driver's or server's JSON answer (the same field names)."""
+        return cls(
+            int(answer["first_freed_tokens"]),
+            answer["second_outcome"],
+            int(answer["free_delta_on_second"]),
+            str(answer.get("detail", "")),
+        )
+
+
+@dataclass(frozen=True)
+class SecondRelease:
+    """One engine instance released, then released again (INSTANCE_REGISTRY)."""
+
+    first_released: bool
+    second_refused_cleanly: bool  # refused with an answer the caller handles, no error inside
+    detail: str = ""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    SecondRelease,
     ServedPrompt,
 )
 from kvconform.errors import EngineError, UsageError
@@ -610,7 +611,7 @@ class LmcacheAdapter(EngineAdapter):
             **gpu_measures(sample),
         }
 
-    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         client = self._churn_client()
         instance_id = self._next_instance_id()
         client.call(
@@ -623,11 +624,11 @@ class LmcacheAdapter(EngineAdapter):
         client.call("store", instance_id=instance_id, token_ids=tokens)
         first = client.call("unregister", instance_id=instance_id)
         second = client.call("unregister", instance_id=instance_id)
-        return {
-            "first_released": first.get("was_registered") and not first.get("server_error"),
-            "second_refused_cleanly": second.get("server_error") is None,
-            "detail": f"second: {second.get('server_error') or 'no error'}",
-        }
+        return SecondRelease(
+            bool(first.get("was_registered")) and not first.get("server_error"),
+            second.get("server_error") is None,
+            f"second: {second.get('server_error') or 'no error'}",
+        )
 
     # ---- logs -------------------------------------------------------------------------------
     def log_tail(self, lines: int = 40) -> str:

@@ -53,6 +53,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    SecondRelease,
     ServedPrompt,
 )
 from kvconform.envs import BuiltEnv
@@ -645,16 +646,15 @@ class OmlxAdapter(EngineAdapter):
             "server_rss_bytes": MemoryMeasure(server.rss, exact=False),
         }
 
-    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         """Unload twice: oMLX answers the second with 400 "Model not loaded" (routes.py:1931)."""
         first = self._load_serve_unload(tokens)
         second = self._model_action(UNLOAD)
-        return {
-            "first_released": first.status_code == 200,
-            "second_refused_cleanly": second.status_code == 400 and "not loaded" in second.text.lower(),
-            "detail": f"first: HTTP {first.status_code}; second: HTTP {second.status_code} "
-            f"{second.text[:200]}",
-        }
+        return SecondRelease(
+            first.status_code == 200,
+            second.status_code == 400 and "not loaded" in second.text.lower(),
+            f"first: HTTP {first.status_code}; second: HTTP {second.status_code} {second.text[:200]}",
+        )
 
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:

@@ -23,6 +23,8 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    ReleaseTwice,
+    SecondRelease,
     ServedPrompt,
     TransferResult,
 )
@@ -355,7 +357,7 @@ class ReferenceAdapter(EngineAdapter):
                 measures["gpu_device_used_bytes"] = MemoryMeasure(sample.gpu.device_used, exact=True)
         return measures
 
-    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         instance_id = f"twice-{time.monotonic_ns()}"
         self.create_instance(instance_id, self.INSTANCE_BYTES)
         first = self.release_instance(instance_id, path)
@@ -365,11 +367,7 @@ class ReferenceAdapter(EngineAdapter):
             ).status_code
         except requests.RequestException as exc:
             status = f"no answer ({type(exc).__name__})"
-        return {
-            "first_released": first["released"],
-            "second_status": status,
-            "second_refused_cleanly": status == 404,
-        }
+        return SecondRelease(bool(first["released"]), status == 404, f"second DELETE: {status}")
 
     def create_instance(self, instance_id: str, nbytes: int, heartbeat_s: float = 0.0) -> None:
         """Export KV memory (the client side) and register it with the engine: a CUDA tensor
@@ -503,8 +501,8 @@ class ReferenceAdapter(EngineAdapter):
         ).json()["choices"][0]["token_ids"]
         return ServedPrompt(int(received.json()["prompt_tokens"]), int(result["cached"]), list(answer))
 
-    def release_twice(self, tokens: list[int]) -> dict[str, Any]:
-        return self.post_json("/admin/release_twice", {"prompt": tokens})
+    def release_twice(self, tokens: list[int]) -> ReleaseTwice:
+        return ReleaseTwice.from_json(self.post_json("/admin/release_twice", {"prompt": tokens}))
 
     def log_tail(self, lines: int = 40) -> str:
         return self.server.log_tail(lines) if self.server else ""

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from kvconform import envs
 from kvconform.adapters.vllm.adapter import VllmAdapter
-from kvconform.contract import AdapterContext, Capability, EngineConfig, ModelShape
+from kvconform.contract import AdapterContext, Capability, EngineConfig, ModelShape, SecondRelease
 from kvconform.errors import EngineError
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.server import LaunchedServer
@@ -261,7 +261,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         )
         return measures
 
-    def second_release(self, path: str, tokens: list[int]) -> dict[str, Any]:
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         """A vLLM that exits releases its instance at the server (UNREGISTER on shutdown);
         a second one for that id, the RPC the worker sends (worker_transfer.py unregister),
         must be ignored or refused cleanly (engine_driven_transfer.py:358 logs an unknown id
@@ -286,12 +286,12 @@ class VllmLmcacheAdapter(VllmAdapter):
         finally:
             client.close()
         errors = [a.get("server_error") for a in answers if a.get("server_error")]
-        return {
-            "first_released": bool(gone),
-            "second_refused_cleanly": bool(answers) and not errors,
-            "detail": f"released by vLLM's exit: {sorted(gone)}; second UNREGISTER: "
+        return SecondRelease(
+            bool(gone),
+            bool(answers) and not errors,
+            f"released by vLLM's exit: {sorted(gone)}; second UNREGISTER: "
             f"{'; '.join(map(str, errors)) or 'no error'}",
-        }
+        )
 
     def registered_instances(self) -> list[Any]:
         """The KV instances the LMCache server holds registered (GET /status): a vLLM that

@@ -151,8 +151,8 @@ def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactor
     engine.ensure(EngineConfig())
     path = engine.churn_paths[0]
     result = engine.second_release(path, prompts.fresh(4 * engine.block_size()))
-    verdict.record("answers", str(result))
-    verdict.equal("first_release_done", int(bool(result["first_released"])), 1)
-    verdict.equal("second_release_refused_cleanly", int(bool(result["second_refused_cleanly"])), 1)
+    verdict.record("answers", result.detail)
+    verdict.equal("first_release_done", int(result.first_released), 1)
+    verdict.equal("second_release_refused_cleanly", int(result.second_refused_cleanly), 1)
     verdict.equal("engine_healthy_after", int(engine.healthy()), 1)
     verdict.conclude()

@@ -274,20 +274,20 @@ def test_release_guard_holds(engine: EngineAdapter, prompts: PromptFactory, verd
     block = engine.block_size()
     tokens = prompts.fresh(3 * block + 2)
     result = engine.release_twice(tokens)
-    verdict.record("second_release_outcome", str(result["second_outcome"]))
-    verdict.record("detail", str(result.get("detail", "")))
+    verdict.record("second_release_outcome", result.second_outcome)
+    verdict.record("detail", result.detail)
     verdict.equal(
         "first_release_freed_tokens",
-        result["first_freed_tokens"],
+        result.first_freed_tokens,
         -(-len(tokens) // block) * block,
         "tokens",
         note=f"a fresh {len(tokens)}-token prompt holds whole blocks of {block}: all go back",
     )
     verdict.equal(
         "second_release_crashed",
-        int(result["second_outcome"] == "crashed"),
+        int(result.second_outcome == "crashed"),
         0,
         note="an assertion in the release path is a crash, not a guard",
     )
-    verdict.equal("blocks_freed_by_second_release", result["free_delta_on_second"], 0, "blocks")
+    verdict.equal("blocks_freed_by_second_release", result.free_delta_on_second, 0, "blocks")
     verdict.conclude()
