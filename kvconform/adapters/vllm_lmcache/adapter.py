@@ -60,6 +60,9 @@ class VllmLmcacheAdapter(VllmAdapter):
             C.PERSISTENT_PREFIX,  # a restarted vLLM is served by the LMCache server
             C.INSTANCE_CHURN,
             C.HOST_MEMORY,
+            # vLLM's held blocks (exact) and the stack's RSS, the LMCache server's included: its
+            # L1 keeps each turn's new chunks by design, within its capacity (inventory.toml)
+            C.LONG_SESSION,
             C.CACHE_SALT,  # vLLM's request salt keys LMCache's chunks too (lmcache_mp_metadata.py:85)
             C.INSTANCE_REGISTRY,  # vLLM instances register with the LMCache server
             # vLLM's blocks (medium GPU) on vLLM's stream. The connector would add LMCache's
