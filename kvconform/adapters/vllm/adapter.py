@@ -449,7 +449,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
 
     def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
         """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
-        if not self.host_tier_on() or self.native_offload:
+        if self.config is None or not (self.config.offload or self.host_tier_on()) or self.native_offload:
             return None
         path = self.transfer_log_file()
         if not path.is_file():
