@@ -34,6 +34,8 @@ LAUNCH_ONLY = (
     "offload",
     "release_guard",
     "disagg_serving",
+    "corrupt_persisted",  # the suite stops the server to damage its files
+    "persistent_prefix",
 )
 
 
