@@ -147,9 +147,7 @@ class HostCopyWorker(OffloadingWorker):
         self,
         kv_caches: CanonicalKVCaches,
         num_chunks: int,
-        store_delay_s: float,
-        load_delay_s: float,
-        transfer_log: str | None = None,
+        settings: WorkerSettings,
         host_pages: Callable[[int], torch.Tensor] | None = None,
         on_shutdown: Callable[[], None] | None = None,
     ) -> None:
@@ -176,11 +174,12 @@ class HostCopyWorker(OffloadingWorker):
         self.group_tensors: list[list[int]] = [
             sorted({ref.tensor_idx for ref in refs}) for refs in kv_caches.group_data_refs
         ]
-        self.store_delay_s = store_delay_s
-        self.load_delay_s = load_delay_s
+        self.store_delay_s = settings.store_delay_s
+        self.load_delay_s = settings.load_delay_s
         self.jobs: deque[_Job] = deque()
         self.in_flight = [0, 0]  # chunks of stores, of loads: submitted, not reported finished
-        self.transfer_log = open(transfer_log, "w", buffering=1) if transfer_log else None  # noqa: SIM115
+        log = settings.transfer_log
+        self.transfer_log = open(log, "w", buffering=1) if log else None  # noqa: SIM115
         self._log_in_flight()
         logger.info(
             "kvconform host-copy worker: %d KV tensor(s), page bytes %s, %d host chunks, "
@@ -189,8 +188,8 @@ class HostCopyWorker(OffloadingWorker):
             self.page_bytes,
             num_chunks,
             [tuple(t.shape) for t in self.device],
-            store_delay_s,
-            load_delay_s,
+            self.store_delay_s,
+            self.load_delay_s,
         )
 
     def _copy(self, gpu_spec: GPULoadStoreSpec, chunk_ids: np.ndarray, to_host: bool) -> int:
@@ -282,6 +281,29 @@ class HostCopyWorker(OffloadingWorker):
             self.on_shutdown = None
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the kvconform keys of a spec's extra config ask of the host-copy worker."""
+
+    store_delay_s: float
+    load_delay_s: float
+    transfer_log: str | None
+
+    @classmethod
+    def of(cls, spec: CPUOffloadingSpec) -> WorkerSettings:
+        # the worker copies one block per chunk; vLLM's own worker handles larger chunks
+        if spec.blocks_per_chunk != 1:
+            raise ValueError(
+                f"kvconform host-copy worker needs blocks_per_chunk == 1, got {spec.blocks_per_chunk}"
+            )
+        extra = spec.extra_config
+        return cls(
+            store_delay_s=float(extra.get(STORE_DELAY_KEY, 0.0)),
+            load_delay_s=float(extra.get(LOAD_DELAY_KEY, 0.0)),
+            transfer_log=extra.get(TRANSFER_LOG_KEY),
+        )
+
+
 class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPUOffloadingSpec with a host-copy worker and failable stores."""
 
@@ -289,14 +311,8 @@ class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        if self.blocks_per_chunk != 1:
-            raise ValueError(
-                f"kvconform host-copy worker needs blocks_per_chunk == 1, got {self.blocks_per_chunk}"
-            )
-        self.store_delay_s = float(self.extra_config.get(STORE_DELAY_KEY, 0.0))
-        self.load_delay_s = float(self.extra_config.get(LOAD_DELAY_KEY, 0.0))
+        self.worker_settings = WorkerSettings.of(self)
         self.fail_file: str | None = self.extra_config.get(FAIL_FILE_KEY)
-        self.transfer_log: str | None = self.extra_config.get(TRANSFER_LOG_KEY)
 
     def get_manager(self) -> OffloadingManager:
         manager = super().get_manager()
@@ -311,9 +327,7 @@ class KvconformCPUOffloadingSpec(CPUOffloadingSpec):
         if self._worker is None:
             # host chunks: num_chunks from vLLM 0.29.0, num_blocks before
             chunks = getattr(self, "num_chunks", None) or self.num_blocks
-            self._worker = HostCopyWorker(
-                kv_caches, chunks, self.store_delay_s, self.load_delay_s, self.transfer_log
-            )
+            self._worker = HostCopyWorker(kv_caches, chunks, self.worker_settings)
         return self._worker
 
 
@@ -332,13 +346,7 @@ class KvconformTieringSpec(TieringOffloadingSpec):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        if self.blocks_per_chunk != 1:
-            raise ValueError(
-                f"kvconform host-copy worker needs blocks_per_chunk == 1, got {self.blocks_per_chunk}"
-            )
-        self.store_delay_s = float(self.extra_config.get(STORE_DELAY_KEY, 0.0))
-        self.load_delay_s = float(self.extra_config.get(LOAD_DELAY_KEY, 0.0))
-        self.transfer_log: str | None = self.extra_config.get(TRANSFER_LOG_KEY)
+        self.worker_settings = WorkerSettings.of(self)
         self._region: SharedOffloadRegion | None = None
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -354,9 +362,7 @@ class KvconformTieringSpec(TieringOffloadingSpec):
             self._worker = HostCopyWorker(
                 kv_caches,
                 self.num_chunks,
-                self.store_delay_s,
-                self.load_delay_s,
-                self.transfer_log,
+                self.worker_settings,
                 host_pages=self._region.create_next_worker_view,
                 # the worker process may be the region's creator (it is on the CPU backend,
                 # whose worker starts first): then its cleanup is what unlinks the /dev/shm file
