@@ -470,6 +470,11 @@ class EngineAdapter(ABC):
     def persisted_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.persisted_entries())
 
+    def persisted_block_bytes(self) -> int:
+        """What one full block takes in the persistent tier, from the model's shape and the
+        tier's documented format (an adapter whose format adds a header says so here)."""
+        return self.model.block_bytes(self.block_size())
+
     def flush_persistent(self) -> None:
         """Wait until what was stored has reached the persistent tier."""
         return None

@@ -29,6 +29,7 @@ from kvconform.contract import (
     TransferResult,
 )
 from kvconform.engines.reference import VERSION
+from kvconform.engines.reference.disk import HEADER as DISK_HEADER
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_measures, nvml, sample_processes
@@ -40,6 +41,7 @@ C = Capability
 PACKAGE_PARENT = Path(__file__).resolve().parents[3]
 NUM_BLOCKS = 256
 OFFLOAD_CHUNKS = 64
+DISK_HEADER_BYTES = DISK_HEADER.size
 
 
 class ReferenceAdapter(EngineAdapter):
@@ -224,6 +226,11 @@ class ReferenceAdapter(EngineAdapter):
     # ---- persistence ---------------------------------------------------------------------
     def persisted_entries(self) -> list[Path]:
         return sorted(self.disk_dir().glob("*.kv"))
+
+    def persisted_block_bytes(self) -> int:
+        # each .kv file: a 16-byte header (magic, payload length, CRC32) and the block's KV
+        # (kvconform/engines/reference/disk.py HEADER)
+        return super().persisted_block_bytes() + DISK_HEADER_BYTES
 
     def reset_all_tiers(self) -> None:
         self._request("POST", "/reset_prefix_cache?lower_tiers=1")

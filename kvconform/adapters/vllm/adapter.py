@@ -120,6 +120,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             C.RELEASE_GUARD,  # vLLM's own scheduler, in-process (drivers/vllm_scheduler_driver.py)
             C.PERSISTENT_PREFIX,  # vLLM's fs tier behind the offload tier (persistent_args)
             C.CORRUPT_PERSISTED,
+            C.TIERED_STORE_METRICS,  # the fs tier's written bytes (vllm/v1/kv_offload/tiering/metrics.py)
             C.DISAGG_SERVING,  # a prefill and a decode server, vLLM's shared-storage connector (disagg.py)
         }
     )
@@ -140,7 +141,12 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
         "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
         "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
+        # cascades that reached the fs tier, blocks x chunk bytes (TieringMetricsTracker.
+        # _observe_finished_job_stats); labelled "<index among secondary tiers + 1>:<type>"
+        "l2_written_bytes": "vllm:kv_offload_tiering_write_bytes_total{tier=1:fs}",
     }
+    # created with its tier label on the first cascade that completes
+    lazy_counters: ClassVar[frozenset[str]] = frozenset({"l2_written_bytes"})
     # A reset asks vLLM to reset the connector's cache too (`reset_external=true`): the offload
     # tier is vLLM's own and stays, a connector's store is the prefix cache of the stack.
     reset_external: ClassVar[bool] = False
@@ -148,6 +154,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
     # offload tier: those checks need launch mode.
     attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
         C.KV_EVENTS,
+        C.TIERED_STORE_METRICS,  # the fs tier is the suite's (persistent_args)
         C.RELEASE_GUARD,  # judges the vLLM installed here, not the attached server's
         C.DISAGG_SERVING,  # the suite launches the decode instance beside its prefill
         C.OFFLOAD_GAUGES,
@@ -353,6 +360,11 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         own (vllm-lmcache) has neither, whatever persistence its config asks for."""
         return self.config is not None and tier in self._host_tiers
 
+    def runs_host_tier(self) -> bool:
+        """The config asks for the offload tier, or the server launched runs it (the
+        persistent config's fs tier sits behind it); before a launch, what the config asks."""
+        return self.config is not None and (self.config.offload or self.host_tier_on())
+
     def fs_tier_dir(self) -> Path:
         """vLLM's fs tier root: one <hash>.bin file per block, kept across restarts."""
         return self.ctx.workdir / "vllm-fs-tier"
@@ -373,7 +385,10 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             time.sleep(FLUSH_POLL_S)
             log = self.offload_transfer_log() or []
             stores_in_flight = log[-1][1] if log else 0
-            cascading = self.metrics().value(CASCADE_JOBS_METRIC, default=0.0)
+            snapshot = self.metrics()
+            # the gauge is labelled per tier and first exported with the tiering manager's
+            # first stats report: before that report no cascade job has run
+            cascading = snapshot.value(CASCADE_JOBS_METRIC) if snapshot.has(CASCADE_JOBS_METRIC) else 0
             files = self.persisted_entries()
             state = (len(files), sum(p.stat().st_size for p in files))
             if stores_in_flight == 0 and cascading == 0 and state == seen:
@@ -449,7 +464,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
 
     def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
         """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
-        if self.config is None or not (self.config.offload or self.host_tier_on()) or self.native_offload:
+        if not self.runs_host_tier() or self.native_offload:
             return None
         path = self.transfer_log_file()
         if not path.is_file():
@@ -511,7 +526,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         )
 
     def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
-        if self.config is None or not (self.config.offload or self.host_tier_on()):
+        if not self.runs_host_tier():
             return False
         return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
 

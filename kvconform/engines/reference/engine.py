@@ -205,7 +205,12 @@ class ReferenceEngine:
                     self._compute_block(block_id, content[index], count)
                     self.pool.commit(block_id, hashes[index], hashes[index - 1] if index else None)
                     req.new_blocks.append(block_id)
-                    self._persist(block_id, hashes[index])
+                    trailing = index == len(hashes) - 1
+                    self._persist(
+                        block_id,
+                        hashes[index],
+                        to_disk=not (trailing and "trailing_block_not_persisted" in self.faults),
+                    )
                 else:  # the partial tail block: computed, never cached
                     tail_key = hashlib.sha256(
                         f"{content[-1] if content else ''}:{tokens[start:]}".encode()
@@ -283,11 +288,11 @@ class ReferenceEngine:
                     return raw.view(self.s.block_size, self.s.width), "disk"
         return None, "none"
 
-    def _persist(self, block_id: int, key: str) -> None:
+    def _persist(self, block_id: int, key: str, to_disk: bool = True) -> None:
         data = self.pool.kv[block_id].cpu()
         if self.host is not None:
             self.host.store_async(key, data)
-        if self.disk is not None:
+        if self.disk is not None and to_disk:
             self.disk.write(key, data.view(torch.uint8).numpy().tobytes())
 
     def finish(self, req: Request, abort: bool = False) -> bool:

@@ -36,6 +36,7 @@ LAUNCH_ONLY = (
     "disagg_serving",
     "corrupt_persisted",  # the suite stops the server to damage its files
     "persistent_prefix",
+    "tiered_store_metrics",  # of the fs tier the suite configures
 )
 
 
