@@ -5,6 +5,15 @@ Suites and adapters import from here; the harness never imports an adapter or an
 
 from kvconform.contract.adapter import EngineAdapter, token_chunks_before_drop
 from kvconform.contract.capabilities import Capability
+from kvconform.contract.facets import (
+    ActiveBlockTracker,
+    Answer,
+    CacheEvent,
+    Outcome,
+    RadixCache,
+    RadixMatch,
+    RadixSizes,
+)
 from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
@@ -19,13 +28,20 @@ from kvconform.oracles import LastToken
 from kvconform.polling import poll_until, seconds_until_steady
 
 __all__ = [
+    "ActiveBlockTracker",
     "AdapterContext",
+    "Answer",
     "BlockPoolStats",
+    "CacheEvent",
     "Capability",
     "EngineAdapter",
     "EngineConfig",
     "LastToken",
     "ModelShape",
+    "Outcome",
+    "RadixCache",
+    "RadixMatch",
+    "RadixSizes",
     "ReleaseTwice",
     "SecondRelease",
     "ServedPrompt",

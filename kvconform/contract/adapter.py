@@ -22,6 +22,7 @@ import requests
 
 from kvconform import envs, timing
 from kvconform.contract.capabilities import Capability
+from kvconform.contract.facets import ActiveBlockTracker, RadixCache
 from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
@@ -576,12 +577,8 @@ class EngineAdapter(ABC):
         raise NotImplementedError
 
     # ---- engine-internal structures (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER)
-    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
-        """A fresh engine radix cache, driven step by step with radix()."""
-        raise NotImplementedError
-
-    def radix(self, op: str, **args: Any) -> Any:
-        """insert / match / lock / unlock / evict / stats / take_events on that radix cache."""
+    def radix_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
+        """A new, empty radix cache of the engine's own code, driven step by step."""
         raise NotImplementedError
 
     def radix_index(self, op: str, **args: Any) -> Any:
@@ -595,8 +592,8 @@ class EngineAdapter(ABC):
         """Offline replay of a trace of requests (hash_ids per block) in simulated time."""
         raise NotImplementedError
 
-    def block_tracker(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """One call to the router's active-block tracker service: (HTTP status, JSON)."""
+    def block_tracker(self) -> ActiveBlockTracker:
+        """The router's active-block tracker (a service the adapter starts on first use)."""
         raise NotImplementedError
 
     # ---- memory churn (INSTANCE_CHURN) -------------------------------------------------

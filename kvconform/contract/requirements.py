@@ -46,7 +46,7 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.RELEASE_GUARD: ("release_twice",),
     C.BLOCK_TRACKER: ("block_tracker",),
     C.RADIX_INDEX: ("radix_index",),
-    C.RADIX_CACHE_MODEL: ("radix_new", "radix"),
+    C.RADIX_CACHE_MODEL: ("radix_cache",),
     C.ROUTER_PREDICTION: ("serve_routed",),
     C.TRACE_REPLAY: ("replay",),
     C.DISAGG_SERVING: ("serve_disaggregated",),

@@ -1,7 +1,7 @@
 """Test double for BLOCK_TRACKER: a router's active-block tracker behind an HTTP-like API.
 
 Not an engine. The contract is the one adapters/dynamo.py drives over HTTP against Dynamo's
-slot tracker service (block_tracker(method, path, body) -> (status, JSON)):
+slot tracker service (read through the adapter's SlotTrackerClient, as Dynamo's is):
 
   POST /register        {model_name, worker_id, block_size, dp_start, dp_size}: 201; 409 if known
   POST /unregister      {model_name, worker_id}: 200; 404 for an unknown worker
@@ -22,7 +22,8 @@ from collections import Counter
 from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
-from kvconform.contract import Capability
+from kvconform.adapters.dynamo.slot_tracker import SlotTrackerClient
+from kvconform.contract import ActiveBlockTracker, Capability
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
@@ -55,7 +56,7 @@ FAULTS: dict[str, Fault] = {
         "add with a live request id answers 201 and replaces that request's blocks",
         _CHECK,
         "Dynamo #11644: duplicate request ids silently accepted",
-        ("duplicate_add_status",),
+        ("duplicate_add_refused",),
     ),
     "shared_prefix_counted_per_request": Fault(
         "/loads counts each live request's blocks, so a prompt prefix two requests share is counted twice",
@@ -68,26 +69,26 @@ FAULTS: dict[str, Fault] = {
         "a second register of a known worker answers 201 and replaces its record",
         _CHECK,
         "Dynamo #11644's class: duplicate identities silently accepted (here a worker's)",
-        ("duplicate_register_status",),
+        ("duplicate_register_refused",),
     ),
     "add_to_unknown_worker_dropped": Fault(
         "add for an unknown worker answers 201 and tracks nothing",
         _CHECK,
         "a request accepted and silently untracked: its blocks never count toward any worker",
-        ("add_unknown_worker_status",),
+        ("add_unknown_worker_refused",),
     ),
     "prefill_complete_unknown_answers_200": Fault(
         "prefill_complete of an unknown (or already freed) request answers 200",
         _CHECK,
         "an idempotent answer (Dynamo 1.6.1's slot tracker gives one to a second free, by design) "
         "on the prefill_complete route, where Dynamo answers 404",
-        ("prefill_complete_unknown_request_status",),
+        ("prefill_complete_unknown_request_refused",),
     ),
     "unregister_unknown_answers_200": Fault(
         "unregister of an unknown worker answers 200",
         _CHECK,
         "an idempotent unregister that hides a caller unregistering the wrong worker",
-        ("unregister_unknown_worker_status",),
+        ("unregister_unknown_worker_refused",),
     ),
 }
 
@@ -257,5 +258,6 @@ class BlockTrackerDouble(DoubleAdapter):
         super().__init__(ctx)
         self.tracker = BlockTracker(self.fault)
 
-    def block_tracker(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return self.tracker.call(method, path, body)
+    def block_tracker(self) -> ActiveBlockTracker:
+        # the double speaks Dynamo's slot tracker protocol: read through Dynamo's client
+        return SlotTrackerClient(self.name, self.tracker.call)

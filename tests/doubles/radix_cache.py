@@ -1,7 +1,7 @@
 """Test double for RADIX_CACHE_MODEL: a page-granular radix prefix cache over a slot allocator.
 
 Not an engine. The contract it implements is the one adapters/sglang.py drives through SGLang's
-RadixCache (radix_new / radix(op, ...)):
+RadixCache (the driver ops its SglangRadixCache client reads):
 
   insert(token_ids)  one request on the scheduler's path: match, lock the match, allocate the
                      uncached page-aligned suffix (evicting LRU leaves on shortage), cache it,
@@ -24,6 +24,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvconform.adapters.sglang.radix_client import SglangRadixCache
 from kvconform.contract import Capability
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
@@ -251,13 +252,14 @@ class RadixCacheDouble(DoubleAdapter):
         super().__init__(ctx)
         self.cache: RadixCache | None = None
 
-    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
+    def radix_cache(self, page_size: int, capacity_tokens: int) -> SglangRadixCache:
         self.cache = RadixCache(int(page_size), int(capacity_tokens), self.fault)
-        return self.cache.stats()
+        # the double answers the SGLang driver's ops: read through SGLang's client
+        return SglangRadixCache(self.call)
 
-    def radix(self, op: str, **args: Any) -> Any:
+    def call(self, op: str, **args: Any) -> Any:
         if self.cache is None:
-            raise RuntimeError("radix op before radix_new")
+            raise RuntimeError("radix op before radix_cache")
         ops = {
             "insert": self.cache.insert,
             "match": self.cache.match,

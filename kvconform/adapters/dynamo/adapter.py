@@ -16,7 +16,9 @@ from typing import Any, ClassVar
 
 import requests
 
+from kvconform.adapters.dynamo.slot_tracker import SlotTrackerClient
 from kvconform.contract import (
+    ActiveBlockTracker,
     AdapterContext,
     Capability,
     EngineAdapter,
@@ -470,8 +472,11 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         return self.driver.call(op, **args)
 
     # ---- slot tracker (BLOCK_TRACKER) ---------------------------------------------------
-    def block_tracker(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """One call to the slot tracker service; (HTTP status, decoded JSON or None)."""
+    def block_tracker(self) -> ActiveBlockTracker:
+        return SlotTrackerClient(self.name, self._tracker_call)
+
+    def _tracker_call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One call to the slot tracker service (started on first use): (HTTP status, JSON)."""
         if self.tracker is None or not self.tracker.process.alive():
             port = free_port()
             self.tracker_url = f"http://127.0.0.1:{port}"

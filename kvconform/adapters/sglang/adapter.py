@@ -14,12 +14,14 @@ from typing import Any, ClassVar
 
 from kvconform import envs
 from kvconform.adapters.sglang.common import MODEL
+from kvconform.adapters.sglang.radix_client import SglangRadixCache
 from kvconform.contract import (
     AdapterContext,
     Capability,
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    RadixCache,
     ServedPrompt,
     TransferResult,
 )
@@ -224,14 +226,12 @@ class SglangAdapter(EngineAdapter):
         return int(stats["total_size"]) // int(stats["page_size"])
 
     # ---- radix cache model (RADIX_CACHE_MODEL) ------------------------------------------
-    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
+    def radix_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
         if self.driver is None or not self.driver.process.alive():
             self.start(EngineConfig())
         self.config = None  # the next ensure() builds the suite's default cache again
-        return self.new_cache(page_size, capacity_tokens)
-
-    def radix(self, op: str, **args: Any) -> Any:
-        return self.call(op, **args)
+        self.new_cache(page_size, capacity_tokens)
+        return SglangRadixCache(self.call)
 
     # ---- transfer -------------------------------------------------------------------------
     def transfer(

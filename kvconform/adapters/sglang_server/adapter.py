@@ -70,6 +70,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    RadixCache,
     ServedPrompt,
 )
 from kvconform.errors import EngineError, UsageError
@@ -566,7 +567,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
         return measures
 
     # ---- engine-internal structures: only the in-process adapter reaches them -------------
-    def radix_new(self, page_size: int, capacity_tokens: int) -> dict[str, Any]:
+    def radix_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
         raise NotImplementedError("the SGLang radix cache model is in-process only (--engine sglang)")
 
     # ---- logs -----------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvconform.contract import CacheEvent, EngineAdapter
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.RADIX_CACHE_MODEL)
@@ -27,17 +27,16 @@ def index_engine(other_engines: list[EngineAdapter]) -> EngineAdapter:
     pytest.skip("no engine with capability radix_index selected in this session (select one with --engine)")
 
 
-def to_index_events(events: list[dict], first_id: int) -> list[dict]:
+def to_index_events(events: list[CacheEvent], first_id: int) -> list[dict]:
     out = []
-    for i, raw in enumerate(events, first_id):
-        if raw["type"] == "BlockStored":
-            tokens = raw["token_ids"]
-            size = raw["block_size"]
+    for i, event in enumerate(events, first_id):
+        if event.kind == "stored":
+            tokens, size = event.token_ids, event.block_size
             blocks = [
-                {"hash": h & U64, "tokens": tokens[j * size : (j + 1) * size]}
-                for j, h in enumerate(raw["block_hashes"])
+                {"hash": h & U64, "tokens": list(tokens[j * size : (j + 1) * size])}
+                for j, h in enumerate(event.block_hashes)
             ]
-            parent = raw.get("parent_block_hash")
+            parent = event.parent_hash
             out.append(
                 {
                     "type": "stored",
@@ -48,14 +47,14 @@ def to_index_events(events: list[dict], first_id: int) -> list[dict]:
                     "blocks": blocks,
                 }
             )
-        elif raw["type"] == "BlockRemoved":
+        elif event.kind == "removed":
             out.append(
                 {
                     "type": "removed",
                     "worker": WORKER,
                     "dp_rank": 0,
                     "id": i,
-                    "hashes": [h & U64 for h in raw["block_hashes"]],
+                    "hashes": [h & U64 for h in event.block_hashes],
                 }
             )
         else:
@@ -66,21 +65,21 @@ def to_index_events(events: list[dict], first_id: int) -> list[dict]:
 def test_events_replayed_into_router_index_match(
     engine: EngineAdapter, index_engine: EngineAdapter, verdict: Verdict
 ) -> None:
-    engine.radix_new(PAGE, 1024)
+    cache = engine.radix_cache(PAGE, 1024)
     base = list(range(100, 164))
     sequences = [base + list(range(500 + 40 * i, 540 + 40 * i)) for i in range(6)]
     sequences += [base[:32] + list(range(900, 980)), list(range(2000, 2100))]
     for tokens in sequences:
-        engine.radix("insert", token_ids=tokens)
-    engine.radix("evict", num_tokens=200)  # removals reach the index too
-    events = engine.radix("take_events", dynamo_format=True)
+        cache.insert(tokens)
+    cache.evict(200)  # removals reach the index too
+    events = cache.take_events(router_hashes=True)
     index_engine.radix_index("tree_new", tree="cross")
     applied = index_engine.radix_index("tree_apply", events=to_index_events(events, 1), tree="cross")
     verdict.record("events", len(events))
     verdict.equal("events_rejected_by_index", applied["rejected"], 0, note=str(applied["results"][:2]))
     differing = []
     for tokens in [*sequences, [*base, 1, 2, 3]]:
-        own = engine.radix("match", token_ids=tokens)["prefix_len"]
+        own = cache.match(tokens).prefix_len
         hashes = index_engine.radix_index("block_hashes", token_ids=tokens, block_size=PAGE)["hashes"]
         scores = index_engine.radix_index("tree_match", block_hashes=hashes, tree="cross")["scores"]
         routed = sum(s["blocks"] for s in scores if s["worker"] == WORKER) * PAGE

@@ -17,7 +17,6 @@ Failures are shrunk by Hypothesis to a minimal sequence of operations.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, RadixSizes
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.RADIX_CACHE_MODEL)
@@ -46,13 +45,13 @@ def floor_page(n: int, page: int) -> int:
     return n // page * page
 
 
-def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]]) -> type:
+def machine_for(engine: EngineAdapter, page: int, stats_log: list[RadixSizes]) -> type:
     class RadixCacheMachine(RuleBasedStateMachine):
         sequences = Bundle("sequences")
 
         def __init__(self) -> None:
             super().__init__()
-            engine.radix_new(page, CAPACITY)
+            self.cache = engine.radix_cache(page, CAPACITY)
             self.inserted: list[list[int]] = []
             self.locks: list[tuple[int, list[int], int]] = []  # handle, tokens, locked length
             self.cached: list[list[int]] = []  # what the model knows is still cached
@@ -61,13 +60,13 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
             self._take_events()
 
         def _take_events(self) -> None:
-            for event in engine.radix("take_events", dynamo_format=False):
-                hashes = [str(h) for h in event.get("block_hashes", [])]
-                if event["type"] == "BlockStored":
+            for event in self.cache.take_events():
+                hashes = [str(h) for h in event.block_hashes]
+                if event.kind == "stored":
                     self.stored.update(hashes)
-                elif event["type"] == "BlockRemoved":
+                elif event.kind == "removed":
                     self.removed.update(hashes)
-                elif event["type"] == "AllBlocksCleared":
+                else:
                     self.stored.clear()
                     self.removed.clear()
 
@@ -94,11 +93,11 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
         )
         def insert(self, prefix: list[int], suffix: list[int]) -> list[int]:
             tokens = prefix + suffix
-            if engine.radix("stats")["available_size"] < len(tokens):
+            if self.cache.sizes().available < len(tokens):
                 self._may_have_evicted()  # admitting it may evict to make room
-            result = engine.radix("insert", token_ids=tokens)
-            assert result["prefix_len"] <= self.longest_inserted(tokens), (
-                f"insert of {len(tokens)} tokens matched {result['prefix_len']}, more than ever inserted"
+            prefix_len = self.cache.insert(tokens)
+            assert prefix_len <= self.longest_inserted(tokens), (
+                f"insert of {len(tokens)} tokens matched {prefix_len}, more than ever inserted"
             )
             self.inserted.append(tokens)
             self.cached.append(tokens)
@@ -106,47 +105,45 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
 
         @rule(tokens=sequences)
         def match(self, tokens: list[int]) -> None:
-            found = engine.radix("match", token_ids=tokens)["prefix_len"]
+            found = self.cache.match(tokens).prefix_len
             assert found <= self.longest_inserted(tokens), f"match {found} > longest inserted prefix"
             floor = self.longest_cached(tokens)
             assert found >= floor, f"match {found} < {floor} tokens the model knows are cached (lost hits)"
 
         @rule(tokens=sequences)
         def lock(self, tokens: list[int]) -> None:
-            matched = engine.radix("match", token_ids=tokens)
-            if matched["prefix_len"] and len(self.locks) < 4:
-                engine.radix("lock", handle=matched["handle"])
-                self.locks.append((matched["handle"], tokens, matched["prefix_len"]))
+            matched = self.cache.match(tokens)
+            if matched.prefix_len and len(self.locks) < 4:
+                self.cache.lock(matched.handle)
+                self.locks.append((matched.handle, tokens, matched.prefix_len))
 
         @rule(data=st.data())
         def unlock(self, data: st.DataObject) -> None:
             if self.locks:
                 handle, _tokens, _n = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
-                engine.radix("unlock", handle=handle)
+                self.cache.unlock(handle)
 
         @rule(num_tokens=st.integers(1, CAPACITY))
         def evict(self, num_tokens: int) -> None:
-            engine.radix("evict", num_tokens=num_tokens)
+            self.cache.evict(num_tokens)
             self._may_have_evicted()
             for _handle, tokens, length in self.locks:
-                found = engine.radix("match", token_ids=tokens)["prefix_len"]
+                found = self.cache.match(tokens).prefix_len
                 assert found >= length, f"locked prefix of {length} tokens evicted (now {found})"
 
         @invariant()
         def sizes_add_up(self) -> None:
-            s = engine.radix("stats")
+            s = self.cache.sizes()
             stats_log.append(s)
-            assert s["available_size"] + s["total_size"] == s["capacity"], f"free + cached != capacity: {s}"
-            assert s["evictable_size"] + s["protected_size"] == s["total_size"], (
-                f"evictable + protected != cached: {s}"
-            )
+            assert s.available + s.total == s.capacity, f"free + cached != capacity: {s}"
+            assert s.evictable + s.protected == s.total, f"evictable + protected != cached: {s}"
 
         def teardown(self) -> None:
             for handle, _tokens, _n in self.locks:
-                engine.radix("unlock", handle=handle)
-            engine.radix("evict", num_tokens=CAPACITY)
-            s = engine.radix("stats")
-            assert s["total_size"] == 0, f"cache not empty after unlocking and evicting everything: {s}"
+                self.cache.unlock(handle)
+            self.cache.evict(CAPACITY)
+            s = self.cache.sizes()
+            assert s.total == 0, f"cache not empty after unlocking and evicting everything: {s}"
             self._take_events()
             missing = self.stored - self.removed
             extra = self.removed - self.stored
@@ -160,7 +157,7 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[dict[str, Any]
 
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_radix_cache_state_machine(engine: EngineAdapter, page: int, verdict: Verdict) -> None:
-    stats_log: list[dict[str, Any]] = []
+    stats_log: list[RadixSizes] = []
     violation = ""
     try:
         run_state_machine_as_test(machine_for(engine, page, stats_log), settings=RUN)

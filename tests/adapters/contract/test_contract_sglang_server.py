@@ -186,7 +186,7 @@ def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
     with pytest.raises(NotImplementedError, match=r"in-process only \(--engine sglang\)"):
-        launched.radix_new(16, 1024)
+        launched.radix_cache(16, 1024)
     with pytest.raises(UsageError, match="--engine sglang-server"):
         SglangAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
 

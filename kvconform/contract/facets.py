@@ -1,0 +1,123 @@
+"""Capability facets: what a suite asks of an engine feature, stated as behaviour.
+
+A facet is an engine's feature seen through the suite's questions, never through one engine's
+routes, op names or status codes: an adapter returns an object implementing it, and maps its
+engine's wire protocol onto it there.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+
+class Outcome(StrEnum):
+    """How a service answered a request that changes its state."""
+
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"  # refused: the worker or request is already known
+    UNKNOWN = "unknown"  # refused: no such worker or request
+    FAILED = "failed"  # any other answer: an error, a malformed request, a crash
+
+
+@dataclass(frozen=True)
+class Answer:
+    outcome: Outcome
+    detail: str  # what the engine said, verbatim enough for a report
+
+    def is_(self, outcome: Outcome) -> int:
+        """1 where the answer is `outcome`, else 0 (a measure's value)."""
+        return int(self.outcome is outcome)
+
+
+class ActiveBlockTracker(ABC):
+    """A router's account of the KV blocks live requests hold on its workers (BLOCK_TRACKER).
+
+    Blocks are named by the prefix of sequence hashes up to them: a prefix two live requests
+    share is held once, and held until the last of them is freed. Workers and requests are the
+    tracker's own records, created and removed through these calls only.
+    """
+
+    @abstractmethod
+    def register_worker(self, worker_id: int, block_size: int) -> Answer: ...
+
+    @abstractmethod
+    def unregister_worker(self, worker_id: int) -> Answer: ...
+
+    @abstractmethod
+    def add_request(
+        self, request_id: str, worker_id: int, block_hashes: list[int], prompt_tokens: int
+    ) -> Answer:
+        """A request routed to `worker_id`, holding the blocks `block_hashes` name."""
+
+    @abstractmethod
+    def prefill_complete(self, request_id: str) -> Answer:
+        """The request's prefill finished; it keeps its blocks while it decodes."""
+
+    @abstractmethod
+    def free_request(self, request_id: str) -> Answer: ...
+
+    @abstractmethod
+    def active_blocks(self) -> int:
+        """Blocks held by live requests over all workers, as the tracker counts them."""
+
+
+@dataclass(frozen=True)
+class RadixSizes:
+    """Token counts of a radix cache and its pool."""
+
+    capacity: int
+    total: int  # cached in the tree
+    available: int  # free in the pool
+    evictable: int  # cached and locked by no request
+    protected: int  # cached and locked
+
+
+@dataclass(frozen=True)
+class RadixMatch:
+    prefix_len: int  # tokens of the query the cache holds, from the start
+    handle: int  # the deepest matched node, for lock and unlock
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """One KV event a cache published: blocks stored (with their tokens), removed, or all
+    cleared."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()  # stored: the blocks' tokens, in order
+    block_size: int = 0  # stored
+    parent_hash: int | None = None  # stored: the block the first one extends
+
+
+class RadixCache(ABC):
+    """An engine's radix prefix cache, driven as its scheduler drives it (RADIX_CACHE_MODEL):
+    a finished request's tokens inserted, a new request's prefix matched and locked while it
+    runs, eviction of unlocked leaves when the pool needs room."""
+
+    @abstractmethod
+    def insert(self, tokens: list[int]) -> int:
+        """Cache `tokens`; returns the prefix length that was cached already."""
+
+    @abstractmethod
+    def match(self, tokens: list[int]) -> RadixMatch: ...
+
+    @abstractmethod
+    def lock(self, handle: int) -> None: ...
+
+    @abstractmethod
+    def unlock(self, handle: int) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def sizes(self) -> RadixSizes: ...
+
+    @abstractmethod
+    def take_events(self, router_hashes: bool = False) -> list[CacheEvent]:
+        """The KV events since the last call. `router_hashes`: as the engine publishes them
+        to an external KV router (block hashes the router recomputes from the tokens)."""
