@@ -22,7 +22,7 @@ import requests
 
 from kvconform import envs, timing
 from kvconform.contract.capabilities import Capability
-from kvconform.contract.facets import ActiveBlockTracker, RadixCache
+from kvconform.contract.facets import ActiveBlockTracker, RadixCache, RouterIndex
 from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
@@ -468,8 +468,12 @@ class EngineAdapter(ABC):
         """Files of the persistent tier, for the suite to damage."""
         raise NotImplementedError
 
+    def persisted_sizes(self) -> dict[str, int]:
+        """Each entry of the persistent tier (a file, an object) -> its bytes."""
+        return {str(p): p.stat().st_size for p in self.persisted_entries()}
+
     def persisted_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.persisted_entries())
+        return sum(self.persisted_sizes().values())
 
     def persisted_block_bytes(self) -> int:
         """What one full block takes in the persistent tier, from the model's shape and the
@@ -581,9 +585,8 @@ class EngineAdapter(ABC):
         """A new, empty radix cache of the engine's own code, driven step by step."""
         raise NotImplementedError
 
-    def radix_index(self, op: str, **args: Any) -> Any:
-        """A router-side prefix index fed by KV events: tree_new / tree_apply / tree_match /
-        tree_dump / block_hashes (events in kvconform's plain form, see the Dynamo driver)."""
+    def router_index(self) -> RouterIndex:
+        """The router-side prefix index the engine keeps from its workers' KV events."""
         raise NotImplementedError
 
     def replay(

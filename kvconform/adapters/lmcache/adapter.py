@@ -808,8 +808,8 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     def persisted_entries(self) -> list[Path]:
         raise NotImplementedError("lmcache-redis persists into Redis, not files: see remote_entries()")
 
-    def persisted_bytes(self) -> int:
-        return sum(self.remote_entries().values())
+    def persisted_sizes(self) -> dict[str, int]:
+        return self.remote_entries()
 
     def describe_logs(self) -> dict[str, str]:
         logs = super().describe_logs()
