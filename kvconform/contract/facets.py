@@ -121,3 +121,60 @@ class RadixCache(ABC):
     def take_events(self, router_hashes: bool = False) -> list[CacheEvent]:
         """The KV events since the last call. `router_hashes`: as the engine publishes them
         to an external KV router (block hashes the router recomputes from the tokens)."""
+
+
+@dataclass(frozen=True)
+class IndexBlock:
+    """A block as a KV event names it to a router: the engine's block hash, and its content as
+    tokens (the index hashes them its own way) or as a content hash already computed."""
+
+    hash: int
+    tokens: tuple[int, ...] = ()
+    tokens_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class IndexEvent:
+    kind: Literal["stored", "removed", "cleared"]
+    worker: int
+    event_id: int
+    parent: int | None = None  # stored: the engine hash of the block the first one extends
+    blocks: tuple[IndexBlock, ...] = ()  # stored
+    hashes: tuple[int, ...] = ()  # removed: engine hashes
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class Applied:
+    applied: int
+    rejected: int
+    errors: tuple[str, ...] = ()  # why each rejected event was refused, in order
+
+
+class RouterIndex(ABC):
+    """A router-side prefix index fed by the workers' KV events (RADIX_INDEX). Trees are named
+    and independent of each other; a query is a sequence of content hashes (content_hashes)."""
+
+    @abstractmethod
+    def new_tree(self, tree: str) -> None: ...
+
+    @abstractmethod
+    def apply(self, tree: str, events: list[IndexEvent]) -> Applied:
+        """Apply in order; a refused event leaves the tree as it was and the batch goes on."""
+
+    @abstractmethod
+    def match(self, tree: str, content_hashes: list[int]) -> dict[int, int]:
+        """Per worker holding a prefix of the query: its matched blocks (the longest over its
+        data-parallel ranks)."""
+
+    @abstractmethod
+    def dump(self, tree: str) -> list[IndexEvent]:
+        """The tree as events that rebuild it."""
+
+    @abstractmethod
+    def content_hashes(self, tokens: list[int], block_size: int) -> list[int]:
+        """The index's own hashes of the full blocks of `tokens`."""
+
+    @abstractmethod
+    def resident_bytes(self) -> int:
+        """Resident memory of the process holding the index, as the kernel counts it."""

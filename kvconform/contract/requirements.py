@@ -45,7 +45,7 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.PAGE_INDEX: ("transfer",),
     C.RELEASE_GUARD: ("release_twice",),
     C.BLOCK_TRACKER: ("block_tracker",),
-    C.RADIX_INDEX: ("radix_index",),
+    C.RADIX_INDEX: ("router_index",),
     C.RADIX_CACHE_MODEL: ("radix_cache",),
     C.ROUTER_PREDICTION: ("serve_routed",),
     C.TRACE_REPLAY: ("replay",),

@@ -1,7 +1,7 @@
 """Test double for RADIX_INDEX: a router-side prefix index over many workers, fed by KV events.
 
 Not an engine. The contract is the one adapters/dynamo.py drives through Dynamo's RadixTree
-(radix_index(op, ...)), in kvconform's plain event form:
+(the driver ops its DynamoRouterIndex client reads), in kvconform's plain event form:
 
   {"type": "stored", "worker", "dp_rank", "id", "parent": block hash | None,
    "blocks": [{"hash", "tokens": [...]} or {"hash", "tokens_hash"}]}
@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import psutil
 
+from kvconform.adapters.dynamo.router_index import DynamoRouterIndex
 from kvconform.contract import Capability
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
@@ -214,7 +215,11 @@ class RadixIndexDouble(DoubleAdapter):
             raise KeyError(f"no tree {name!r}; call tree_new first")
         return self.trees[name]
 
-    def radix_index(self, op: str, **args: Any) -> Any:
+    def router_index(self) -> DynamoRouterIndex:
+        # the double answers the Dynamo driver's ops: read through Dynamo's client
+        return DynamoRouterIndex(self.call)
+
+    def call(self, op: str, **args: Any) -> Any:
         tree = str(args.pop("tree", "default"))
         if op == "tree_new":
             self.trees[tree] = PrefixIndex(self.fault)

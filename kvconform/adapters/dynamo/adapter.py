@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import requests
 
+from kvconform.adapters.dynamo.router_index import DynamoRouterIndex
 from kvconform.adapters.dynamo.slot_tracker import SlotTrackerClient
 from kvconform.contract import (
     ActiveBlockTracker,
@@ -24,6 +25,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    RouterIndex,
     ServedPrompt,
     poll_until,
 )
@@ -450,8 +452,8 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         return [pid for p in (self.frontend, *self.mockers) if p is not None for pid in p.pids()]
 
     # ---- in-process (RADIX_INDEX, TRACE_REPLAY) -----------------------------------------
-    def radix_index(self, op: str, **args: Any) -> Any:
-        return self.inproc(op, **args)
+    def router_index(self) -> RouterIndex:
+        return DynamoRouterIndex(self.inproc)
 
     def replay(
         self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any

@@ -21,7 +21,7 @@ import hashlib
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, IndexBlock, IndexEvent
 from kvconform.oracles import theil_sen
 from kvconform.results import Verdict
 
@@ -40,34 +40,29 @@ def block_hash(*key: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "big") >> 1
 
 
-def event(kind: str, event_id: int, **fields: object) -> dict:
-    return {"type": kind, "worker": WORKER, "dp_rank": 0, "id": event_id, **fields}
-
-
-def stored(parent: int | None, hashes: list[int], event_id: int) -> dict:
-    blocks = [{"hash": h, "tokens_hash": h ^ 0x5A5A} for h in hashes]
-    return event("stored", event_id, parent=parent, blocks=blocks)
+def stored(parent: int | None, hashes: list[int], event_id: int) -> IndexEvent:
+    blocks = tuple(IndexBlock(h, tokens_hash=h ^ 0x5A5A) for h in hashes)
+    return IndexEvent("stored", WORKER, event_id, parent=parent, blocks=blocks)
 
 
 def test_radix_index_memory_flat_under_eviction_churn(engine: EngineAdapter, verdict: Verdict) -> None:
     tree = "index-churn"
-    engine.radix_index("tree_new", tree=tree)
+    index = engine.router_index()
+    index.new_tree(tree)
     shared = [block_hash("shared", i) for i in range(SHARED_BLOCKS)]
-    first = engine.radix_index("tree_apply", events=[stored(None, shared, 0)], tree=tree)
     rss: list[float] = []
-    rejected = first["rejected"]
+    rejected = index.apply(tree, [stored(None, shared, 0)]).rejected
     event_id = 1
     for batch in range(CYCLES // CYCLES_PER_BATCH):
-        events = []
+        events: list[IndexEvent] = []
         for cycle in range(batch * CYCLES_PER_BATCH, (batch + 1) * CYCLES_PER_BATCH):
             suffix = [block_hash("suffix", cycle, i) for i in range(SUFFIX_BLOCKS)]
             events.append(stored(shared[-1], suffix, event_id))
-            events.append(event("removed", event_id + 1, hashes=suffix))
+            events.append(IndexEvent("removed", WORKER, event_id + 1, hashes=tuple(suffix)))
             event_id += 2
-        rejected += engine.radix_index("tree_apply", events=events, tree=tree)["rejected"]
-        rss.append(float(engine.radix_index("process_rss")["rss_bytes"]))
-    scores = engine.radix_index("tree_match", block_hashes=[h ^ 0x5A5A for h in shared], tree=tree)["scores"]
-    matched = max((s["blocks"] for s in scores if s["worker"] == WORKER), default=0)
+        rejected += index.apply(tree, events).rejected
+        rss.append(float(index.resident_bytes()))
+    matched = index.match(tree, [h ^ 0x5A5A for h in shared]).get(WORKER, 0)
     evicted_per_batch = CYCLES_PER_BATCH * SUFFIX_BLOCKS
     trend = theil_sen(rss[WARMUP_BATCHES:])
     verdict.record("cycles", CYCLES, note=f"{SUFFIX_BLOCKS} blocks stored and evicted under a shared prefix")

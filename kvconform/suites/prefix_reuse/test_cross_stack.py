@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.contract import CacheEvent, EngineAdapter
+from kvconform.contract import CacheEvent, EngineAdapter, IndexBlock, IndexEvent
 from kvconform.contract import Capability as C
 from kvconform.results import Verdict
 
@@ -27,38 +27,25 @@ def index_engine(other_engines: list[EngineAdapter]) -> EngineAdapter:
     pytest.skip("no engine with capability radix_index selected in this session (select one with --engine)")
 
 
-def to_index_events(events: list[CacheEvent], first_id: int) -> list[dict]:
+def to_index_events(events: list[CacheEvent], first_id: int) -> list[IndexEvent]:
     out = []
     for i, event in enumerate(events, first_id):
         if event.kind == "stored":
             tokens, size = event.token_ids, event.block_size
-            blocks = [
-                {"hash": h & U64, "tokens": list(tokens[j * size : (j + 1) * size])}
+            blocks = tuple(
+                IndexBlock(h & U64, tuple(tokens[j * size : (j + 1) * size]))
                 for j, h in enumerate(event.block_hashes)
-            ]
+            )
             parent = event.parent_hash
             out.append(
-                {
-                    "type": "stored",
-                    "worker": WORKER,
-                    "dp_rank": 0,
-                    "id": i,
-                    "parent": parent & U64 if parent is not None else None,
-                    "blocks": blocks,
-                }
+                IndexEvent(
+                    "stored", WORKER, i, parent=parent & U64 if parent is not None else None, blocks=blocks
+                )
             )
         elif event.kind == "removed":
-            out.append(
-                {
-                    "type": "removed",
-                    "worker": WORKER,
-                    "dp_rank": 0,
-                    "id": i,
-                    "hashes": [h & U64 for h in event.block_hashes],
-                }
-            )
+            out.append(IndexEvent("removed", WORKER, i, hashes=tuple(h & U64 for h in event.block_hashes)))
         else:
-            out.append({"type": "cleared", "worker": WORKER, "dp_rank": 0, "id": i})
+            out.append(IndexEvent("cleared", WORKER, i))
     return out
 
 
@@ -73,16 +60,15 @@ def test_events_replayed_into_router_index_match(
         cache.insert(tokens)
     cache.evict(200)  # removals reach the index too
     events = cache.take_events(router_hashes=True)
-    index_engine.radix_index("tree_new", tree="cross")
-    applied = index_engine.radix_index("tree_apply", events=to_index_events(events, 1), tree="cross")
+    index = index_engine.router_index()
+    index.new_tree("cross")
+    applied = index.apply("cross", to_index_events(events, 1))
     verdict.record("events", len(events))
-    verdict.equal("events_rejected_by_index", applied["rejected"], 0, note=str(applied["results"][:2]))
+    verdict.equal("events_rejected_by_index", applied.rejected, 0, note="; ".join(applied.errors[:2]))
     differing = []
     for tokens in [*sequences, [*base, 1, 2, 3]]:
         own = cache.match(tokens).prefix_len
-        hashes = index_engine.radix_index("block_hashes", token_ids=tokens, block_size=PAGE)["hashes"]
-        scores = index_engine.radix_index("tree_match", block_hashes=hashes, tree="cross")["scores"]
-        routed = sum(s["blocks"] for s in scores if s["worker"] == WORKER) * PAGE
+        routed = index.match("cross", index.content_hashes(tokens, PAGE)).get(WORKER, 0) * PAGE
         if routed != own:
             differing.append(f"{len(tokens)} tokens: index {routed} vs engine {own}")
     verdict.equal("queries_where_index_and_engine_differ", len(differing), 0, note="; ".join(differing[:4]))

@@ -10,7 +10,7 @@ replayed into a fresh index, which must answer every query the same way.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, IndexBlock, IndexEvent
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.RADIX_INDEX)
@@ -49,16 +49,15 @@ def machine_for(engine: EngineAdapter, queries_log: list[int]) -> type:
     class RadixIndexMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            engine.radix_index("tree_new", tree="live")
+            self.index = engine.router_index()
+            self.index.new_tree("live")
             self.stored: dict[int, set[Path]] = {w: set() for w in WORKERS}
             self.event_id = 0
 
-        def apply(self, event: dict[str, Any]) -> None:
+        def apply(self, kind: Literal["stored", "removed", "cleared"], worker: int, **fields: Any) -> None:
             self.event_id += 1
-            result = engine.radix_index("tree_apply", events=[{**event, "id": self.event_id}], tree="live")
-            assert result["rejected"] == 0, (
-                f"index rejected a valid event {event['type']}: {result['results']}"
-            )
+            applied = self.index.apply("live", [IndexEvent(kind, worker, self.event_id, **fields)])
+            assert applied.rejected == 0, f"index rejected a valid {kind} event: {applied.errors}"
 
         def model_match(self, worker: int, query: Path) -> int:
             n = 0
@@ -68,13 +67,10 @@ def machine_for(engine: EngineAdapter, queries_log: list[int]) -> type:
 
         def query_hashes(self, query: Path) -> list[int]:
             tokens = [t for depth, c in enumerate(query) for t in block_tokens(c, depth)]
-            return engine.radix_index("block_hashes", token_ids=tokens, block_size=BLOCK)["hashes"]
+            return self.index.content_hashes(tokens, BLOCK)
 
         def check_query(self, query: Path, tree: str = "live") -> None:
-            scores = engine.radix_index("tree_match", block_hashes=self.query_hashes(query), tree=tree)[
-                "scores"
-            ]
-            got = {s["worker"]: s["blocks"] for s in scores}
+            got = self.index.match(tree, self.query_hashes(query))
             queries_log.append(1)
             for worker in WORKERS:
                 expected = self.model_match(worker, query)
@@ -96,19 +92,16 @@ def machine_for(engine: EngineAdapter, queries_log: list[int]) -> type:
                 path = (*path, content)
                 if path in self.stored[worker]:
                     continue
-                blocks.append({"hash": external_hash(path), "tokens": block_tokens(content, len(path) - 1)})
+                blocks.append(IndexBlock(external_hash(path), tuple(block_tokens(content, len(path) - 1))))
             if not blocks:
                 return
             first_new = len(path) - len(blocks)
             parent_path = path[:first_new]
             self.apply(
-                {
-                    "type": "stored",
-                    "worker": worker,
-                    "dp_rank": 0,
-                    "parent": external_hash(parent_path) if parent_path else None,
-                    "blocks": blocks,
-                }
+                "stored",
+                worker,
+                parent=external_hash(parent_path) if parent_path else None,
+                blocks=tuple(blocks),
             )
             for depth in range(first_new, len(path)):
                 self.stored[worker].add(path[: depth + 1])
@@ -124,12 +117,12 @@ def machine_for(engine: EngineAdapter, queries_log: list[int]) -> type:
             if not leaves:
                 return
             leaf = leaves[pick % len(leaves)]
-            self.apply({"type": "removed", "worker": worker, "dp_rank": 0, "hashes": [external_hash(leaf)]})
+            self.apply("removed", worker, hashes=(external_hash(leaf),))
             self.stored[worker].discard(leaf)
 
         @rule(worker=st.sampled_from(WORKERS))
         def clear(self, worker: int) -> None:
-            self.apply({"type": "cleared", "worker": worker, "dp_rank": 0})
+            self.apply("cleared", worker)
             self.stored[worker].clear()
 
         @rule(contents=st.lists(st.integers(0, 2), min_size=1, max_size=5))
@@ -137,10 +130,10 @@ def machine_for(engine: EngineAdapter, queries_log: list[int]) -> type:
             self.check_query(tuple(contents))
 
         def teardown(self) -> None:
-            dump = engine.radix_index("tree_dump", tree="live")["events"]
-            engine.radix_index("tree_new", tree="replayed")
-            result = engine.radix_index("tree_apply", events=dump, tree="replayed")
-            assert result["rejected"] == 0, f"replaying the dump was rejected: {result['results'][:3]}"
+            dump = self.index.dump("live")
+            self.index.new_tree("replayed")
+            applied = self.index.apply("replayed", dump)
+            assert applied.rejected == 0, f"replaying the dump was rejected: {applied.errors[:3]}"
             for worker in WORKERS:
                 for path in sorted(self.stored[worker]):
                     self.check_query(path, tree="replayed")
