@@ -389,8 +389,8 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             # the gauge is labelled per tier and first exported with the tiering manager's
             # first stats report: before that report no cascade job has run
             cascading = snapshot.value(CASCADE_JOBS_METRIC) if snapshot.has(CASCADE_JOBS_METRIC) else 0
-            files = self.persisted_entries()
-            state = (len(files), sum(p.stat().st_size for p in files))
+            sizes = self.persisted_sizes()
+            state = (len(sizes), sum(sizes.values()))
             if stores_in_flight == 0 and cascading == 0 and state == seen:
                 return
             seen = state
