@@ -563,6 +563,8 @@ class EngineAdapter(ABC):
     # ---- transfer (TRANSFER_ACCOUNTING, PAGE_INDEX, RELEASE_GUARD) ---------------------
     transfer_layouts: ClassVar[tuple[str, ...]] = ()
     transfer_page_sizes: ClassVar[tuple[int, ...]] = ()
+    transfer_destinations: ClassVar[tuple[int, ...]] = (1, 4)  # decode ranks a transfer can fan out to
+    transfer_aborts: ClassVar[bool] = False  # transfer(abort_after_pages=...) cuts a transfer mid-way
 
     def transfer(
         self,

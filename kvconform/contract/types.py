@@ -53,6 +53,9 @@ class EngineConfig:
     offload_store_threshold: int = 0
     persistent: bool = False  # enable the persistent (disk) tier
     disaggregated: bool = False  # separate prefill and decode instances, KV handed off between
+    # disaggregated, with the KV moved by the engine's transfer library (the pair whose byte
+    # counters TRANSFER_ACCOUNTING reads) rather than by its default hand-off
+    kv_transfer: bool = False
 
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
@@ -70,7 +73,7 @@ class ServedPrompt:
 class TransferResult:
     kv_indices: list[int]
     page_indices: list[int]
-    bytes_sent: int  # what the sender counted
+    bytes_sent: int | None  # what the sender counted (None: the engine counts at the receiver only)
     bytes_received: int | None = None  # what the receiver counted (None: no receiver)
     # State indices the engine itself recorded for the hand-off (None: it does not say).
     # Recorded, not judged: the request's states are judged through the bytes they add.

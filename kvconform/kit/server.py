@@ -32,10 +32,17 @@ class LaunchedServer:
         shm_patterns: tuple[str, ...] = (),
         session: requests.Session | None = None,
         stop_whole_group: bool = True,
+        wait: bool = True,
     ) -> None:
-        from kvconform.processes import EngineProcess, wait_until_ready
+        """`wait=False`: launched, not waited for; `wait_ready()` waits (servers that must
+        start side by side, e.g. a pair whose first busy-polls once up)."""
+        from kvconform.processes import EngineProcess
 
         self.engine = engine
+        self._health_url = health_url
+        self._timeout_s = timeout_s
+        self._http = session or requests.Session()
+        self.ready_after_s: float | None = None
         # timed here too: a churn cycle restarts servers inside the adapter, past ensure()
         with timing.starting(engine):
             self.process = EngineProcess(
@@ -46,9 +53,19 @@ class LaunchedServer:
                 shm_patterns=shm_patterns,
                 stop_whole_group=stop_whole_group,
             )
-            http = session or requests.Session()
+            if wait:
+                self.wait_ready()
+
+    def wait_ready(self) -> None:
+        from kvconform.processes import wait_until_ready
+
+        with timing.starting(self.engine):
             self.ready_after_s = wait_until_ready(
-                self.process, engine, lambda: wait_http_ok(http, health_url), timeout_s, what=health_url
+                self.process,
+                self.engine,
+                lambda: wait_http_ok(self._http, self._health_url),
+                self._timeout_s,
+                what=self._health_url,
             )
 
     def stop(self) -> TeardownReport:

@@ -5,6 +5,7 @@ flag fails with its name). Skips, saying so, where a CPU env is not built."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -166,6 +167,24 @@ def test_vllm_pair_is_a_producer_and_a_consumer_of_one_store(tmp_path: Path):
     assert store == decode["kv_connector_extra_config"]["shared_storage_path"] == str(adapter.handoff_dir())
     with pytest.raises(NotImplementedError, match="offload tier or the P/D connector"):
         adapter.start(EngineConfig(disaggregated=True, offload=True))
+
+
+def test_vllm_transfer_pair_is_nixl_on_its_own_side_channels(tmp_path: Path):
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    pair = EngineConfig(disaggregated=True, kv_transfer=True)
+    args = ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "/placeholder/model")
+    for role in ("kv_producer", "kv_consumer"):
+        config = transfer_config(adapter.serve_args(pair, 8000, *args, role=role))
+        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    prefill, decode = adapter.pair_envs({"VLLM_TARGET_DEVICE": "cpu"}, pair)
+    port = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+    assert prefill[port] != decode[port], "the prefill and the decode each bind their own NIXL handshake port"
+    if len(os.sched_getaffinity(0)) > 1:  # a busy-polling NIXL worker must not share the other's cores
+        assert prefill["VLLM_CPU_OMP_THREADS_BIND"] != decode["VLLM_CPU_OMP_THREADS_BIND"]
+    handoff = adapter.pair_envs({}, EngineConfig(disaggregated=True))
+    assert not any("VLLM_CPU_OMP_THREADS_BIND" in e for e in handoff), "the example pair keeps vLLM's binding"
+    with pytest.raises(NotImplementedError, match="LMCache connector"):
+        VllmLmcacheAdapter(AdapterContext(workdir=tmp_path)).handoff_args("kv_producer", kv_transfer=True)
 
 
 def test_vllm_persistent_tier_is_vllms_fs_tier_behind_the_offload_tier(tmp_path: Path):

@@ -431,7 +431,8 @@ class ReferenceAdapter(EngineAdapter):
         return self._decode_url
 
     transfer_layouts: ClassVar[tuple[str, ...]] = ("mha", "mla", "mla_state")
-    transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16)
+    transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16, 32)
+    transfer_aborts = True
 
     def transfer(
         self,

@@ -122,11 +122,16 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             C.CORRUPT_PERSISTED,
             C.TIERED_STORE_METRICS,  # the fs tier's written bytes (vllm/v1/kv_offload/tiering/metrics.py)
             C.DISAGG_SERVING,  # a prefill and a decode server, vLLM's shared-storage connector (disagg.py)
+            C.TRANSFER_ACCOUNTING,  # the same pair joined by NixlConnector (disagg.py transfer)
         }
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
     # read_usage = max(usage - write_usage, 0.0)
     read_gauge_is_usage_minus_write = True
+    # NIXL pulls an MHA model's whole blocks, prefill to one decode instance (disagg.py)
+    transfer_layouts: ClassVar[tuple[str, ...]] = ("mha",)
+    transfer_page_sizes: ClassVar[tuple[int, ...]] = (default_block_size,)
+    transfer_destinations: ClassVar[tuple[int, ...]] = (1,)
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "vllm:prefix_cache_queries_total",
         "prefix_hits": "vllm:prefix_cache_hits_total",
@@ -157,6 +162,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         C.TIERED_STORE_METRICS,  # the fs tier is the suite's (persistent_args)
         C.RELEASE_GUARD,  # judges the vLLM installed here, not the attached server's
         C.DISAGG_SERVING,  # the suite launches the decode instance beside its prefill
+        C.TRANSFER_ACCOUNTING,  # likewise, its NIXL pair
         C.OFFLOAD_GAUGES,
         C.OFFLOAD_HOST_HITS,
         C.OFFLOAD_STORE_THRESHOLD,
@@ -247,7 +253,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         return [str(self.env().bin("vllm")), *self.serve_args(config, port, events, replay, role=role)]
 
     def _launch(
-        self, process_name: str, argv: list[str], base_url: str, env: dict[str, str]
+        self, process_name: str, argv: list[str], base_url: str, env: dict[str, str], wait: bool = True
     ) -> LaunchedServer:
         return LaunchedServer(
             self.name,
@@ -259,6 +265,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             timeout_s=self.ctx.start_timeout_s,
             shm_patterns=("psm_*", "vllm_offload_*"),
             session=self.http,
+            wait=wait,
         )
 
     def serve_args(
@@ -292,7 +299,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         elif config.offload:
             argv += self.offload_args(config.offload_store_threshold)
         if config.disaggregated:
-            argv += self.handoff_args(role)
+            argv += self.handoff_args(role, config.kv_transfer)
         return [*argv, *self.profile.extra_args]
 
     @property
@@ -557,8 +564,10 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         if config.disaggregated and (config.offload or config.persistent):
             raise NotImplementedError("vllm: one --kv-transfer-config: the offload tier or the P/D connector")
         if config.disaggregated:
-            self.handoff_args("kv_producer")  # NotImplementedError now, before a server starts
-            self.clear_handoff()
+            # NotImplementedError now, before a server starts
+            self.handoff_args("kv_producer", config.kv_transfer)
+            if not config.kv_transfer:
+                self.clear_handoff()
         if config.offload:
             # NotImplementedError now, before a server starts
             self.offload_args(config.offload_store_threshold)
@@ -586,20 +595,27 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         if self._gpu_before is None and nvml().available:
             self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
-            self.server = self._launch(
-                "vllm-serve", self.server_argv(config, port, events, replay), self.base_url, env
-            )
+            prefill_env, decode_env = self.pair_envs(env, config)
+            argv = self.server_argv(config, port, events, replay)
+            self.server = self._launch("vllm-serve", argv, self.base_url, prefill_env, wait=False)
             if config.disaggregated:
                 decode_port = free_port()
                 self.decode_url = f"http://127.0.0.1:{decode_port}"
                 # its own event sockets, bound by vLLM and read by nobody: the ledger is the prefill's
                 unread, unread_replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
                 argv = self.server_argv(config, decode_port, unread, unread_replay, role="kv_consumer")
-                self.decode_server = self._launch("vllm-serve-decode", argv, self.decode_url, env)
+                self.decode_server = self._launch(
+                    "vllm-serve-decode", argv, self.decode_url, decode_env, wait=False
+                )
+            for launched in (self.server, self.decode_server):
+                if launched is not None:
+                    launched.wait_ready()
         except Exception:
-            if self.server is not None:
-                self.server.stop()
-                self.server = None
+            for launched in (self.server, self.decode_server):
+                if launched is not None:
+                    launched.stop()
+            self.server = self.decode_server = None
+            self.decode_url = None
             self.close_event_subscriber()
             raise
         self.config = config
@@ -614,6 +630,9 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
     def stop(self) -> list[TeardownReport]:
         reports = []
         self._serving = False
+        if self.decode_server is not None:
+            reports.append(self.decode_server.stop())
+            self.decode_server = self.decode_url = None
         if self.server is not None:
             log = self.server.process.log_path
             start = log.stat().st_size if log.exists() else 0
@@ -624,9 +643,6 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
                     report.notes.append(FORCED_SHUTDOWN_NOTE)
             reports.append(report)
             self.server = None
-        if self.decode_server is not None:
-            reports.append(self.decode_server.stop())
-            self.decode_server = self.decode_url = None
         self.close_event_subscriber()
         self.config = None
         return reports

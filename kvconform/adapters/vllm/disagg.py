@@ -15,19 +15,32 @@ sides. The connector keys the decode's lookup on prompt[:-1] (it assumes the dec
 the prefill's plus its first token: `get_num_new_matched_tokens`), which names the same whole
 blocks as the prefill's store unless the prompt ends one token past a block boundary; the check's
 prompts end 5 past.
+
+EngineConfig(kv_transfer=True) joins the pair with NixlConnector instead, vLLM's production P/D
+connector (docs/features/nixl_connector_usage.md), on a CPU host buffer (nixl-cu12's UCX backend;
+vLLM lists "cpu" as a NIXL buffer device, vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+utils.py). A request goes as vLLM's toy proxy sends it (tests/v1/kv_connector/nixl_integration/
+toy_proxy_server.py): the prefill with `do_remote_decode` and max_tokens 1; the decode with the
+`kv_transfer_params` the prefill returned, from which it pulls the prompt's blocks (pull mode,
+the default). vLLM counts the bytes where the READ is posted, on the decode side only
+(NixlKVConnectorStats.record_transfer, from NIXL's telemetry of each finished transfer).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconform.contract import ServedPrompt
+from kvconform.contract import EngineConfig, ServedPrompt, TransferResult
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
+from kvconform.metrics import MetricSnapshot
+from kvconform.processes import free_port
 
 if TYPE_CHECKING:
     from kvconform.contract import EngineAdapter
@@ -37,9 +50,28 @@ else:
     _Base = object
 
 HANDOFF_CONNECTOR = "ExampleConnector"
+TRANSFER_CONNECTOR = "NixlConnector"
 # Tokens the decode instance loaded through its connector (vllm/v1/metrics/loggers.py, the
 # external prefix-cache counters, exported where a KV connector is configured).
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+# NIXL's telemetry on the side that posts the READ (vllm/distributed/kv_transfer/kv_connector/v1/
+# nixl/stats.py NixlPromMetrics): bytes per finished transfer (a histogram: _sum is the bytes,
+# _count the transfers), descriptors per transfer, failed transfers.
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+NIXL_TRANSFERS = "vllm:nixl_bytes_transferred_count"
+NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors_sum"
+NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
+# The engine core publishes connector stats with its next scheduler stats, after the request.
+NIXL_STATS_WAIT_S = 10.0
+# What vLLM's toy proxy asks the prefill for: keep the KV for a remote decode to pull.
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 class DisaggregatedPair(_Base):
@@ -52,20 +84,44 @@ class DisaggregatedPair(_Base):
     if TYPE_CHECKING:  # VllmAdapter's
         profile: LaunchProfile
 
+        def gpu_build(self) -> bool: ...
+
+    def pair_envs(self, env: dict[str, str], config: EngineConfig) -> tuple[dict[str, str], dict[str, str]]:
+        """The prefill's and the decode's environments: each its own NIXL handshake port
+        (vLLM's default, 5600, would collide between the two and with any other vLLM here).
+        On CPU, a NIXL pair's workers are bound to different cores: once up, a NIXL worker's
+        UCX progress thread busy-polls (nixlUcxWorker::progressLoop, epoll_wait with timeout
+        0), and on the cores vLLM binds by default the other instance's start starved past
+        the start timeout (measured 2026-12-05 on 2 cores: a decode worker had 0.2 s of CPU in
+        90 s, twice in three starts)."""
+        prefill, decode = side_channel(env), side_channel(env)
+        if config.kv_transfer and not self.gpu_build():
+            cores = sorted(os.sched_getaffinity(0))
+            prefill["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[0])
+            decode["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[-1])
+        return prefill, decode
+
     def handoff_dir(self) -> Path:
         return self.ctx.workdir / "pd-handoff"
 
-    def handoff_args(self, role: str) -> list[str]:
+    def handoff_args(self, role: str, kv_transfer: bool = False) -> list[str]:
         if "kv_transfer_config" in self.profile.connector:
             raise NotImplementedError(
                 f"launch profile {self.profile.name}: its [connector] owns --kv-transfer-config; "
                 "disaggregated serving needs the P/D connector there"
             )
-        transfer = {
-            "kv_connector": HANDOFF_CONNECTOR,
-            "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(self.handoff_dir())},
-        }
+        transfer: dict[str, Any]
+        if kv_transfer:
+            # kv_both on each side, as vLLM's NIXL docs run the pair; the buffer the CPU build has
+            transfer = {"kv_connector": TRANSFER_CONNECTOR, "kv_role": "kv_both"}
+            if not self.gpu_build():
+                transfer["kv_buffer_device"] = "cpu"
+        else:
+            transfer = {
+                "kv_connector": HANDOFF_CONNECTOR,
+                "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(self.handoff_dir())},
+            }
         return ["--kv-transfer-config", json.dumps(transfer)]
 
     def clear_handoff(self) -> None:
@@ -79,6 +135,9 @@ class DisaggregatedPair(_Base):
         through the connector (its external-hit counter, moved by this request alone)."""
         if self.decode_url is None:
             raise EngineError(self.name, "serve_disaggregated needs EngineConfig(disaggregated=True)")
+        if self.config is not None and self.config.kv_transfer:
+            prefill, _, decode = self._pull_through_pair(tokens, max_tokens)
+            return ServedPrompt(decode.prompt_tokens, prefill.cached_tokens, decode.output, decode.source)
         prefill = self.openai_completion(tokens, 1, return_token_ids=True)
         before = self._decode_external_hits()
         body: dict[str, Any] = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
@@ -94,3 +153,87 @@ class DisaggregatedPair(_Base):
         if not snapshot.has(EXTERNAL_HITS):
             raise EngineError(self.name, f"the decode instance's /metrics lacks {EXTERNAL_HITS}")
         return snapshot.value(EXTERNAL_HITS)
+
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        """One prompt through the NIXL pair: bytes received are what the decode's NIXL
+        telemetry counted for this request's pull (vLLM counts no sender bytes in pull mode);
+        page indices are the prefill's block ids it handed over."""
+        if abort_after_pages is not None or layout != "mha" or destinations != 1:
+            raise NotImplementedError(f"{self.name}: one MHA pull to one decode instance, whole")
+        if page_size != self.block_size():
+            raise NotImplementedError(f"{self.name} transfers whole blocks of {self.block_size()} tokens")
+        self.ensure(EngineConfig(disaggregated=True, kv_transfer=True))
+        before = self._decode_scrape(NIXL_BYTES)
+        prefill, params, decode = self._pull_through_pair(tokens, 1)
+        after = self._decode_scrape(NIXL_BYTES)
+        deadline = time.monotonic() + NIXL_STATS_WAIT_S
+        while after.value(NIXL_TRANSFERS) <= before.value(NIXL_TRANSFERS) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            after = self._decode_scrape(NIXL_BYTES)
+        transfers = after.delta(before, NIXL_TRANSFERS)
+        failed = after.delta(before, NIXL_FAILED)
+        if transfers < 1 and failed < 1:
+            raise EngineError(
+                self.name,
+                f"the decode instance recorded no NIXL transfer within {NIXL_STATS_WAIT_S:.0f} s of "
+                f"the request (it served {decode.prompt_tokens} prompt tokens, "
+                f"{decode.source.get('handoff')} loaded through its connector)",
+                self._decode_log_tail(),
+            )
+        block_ids = params.get("remote_block_ids") or [[]]
+        return TransferResult(
+            kv_indices=[],
+            page_indices=[int(b) for b in block_ids[0]],
+            bytes_sent=None,
+            bytes_received=round(after.delta(before, NIXL_BYTES)),
+            detail={
+                "transfers": round(transfers),
+                "failed_transfers": round(failed),
+                "descriptors": round(after.delta(before, NIXL_DESCRIPTORS)),
+                "decode_loaded_tokens": decode.source.get("handoff", 0),
+                "prefill_cached_tokens": prefill.cached_tokens,
+            },
+        )
+
+    def _pull_through_pair(
+        self, tokens: list[int], max_tokens: int
+    ) -> tuple[ServedPrompt, dict[str, Any], ServedPrompt]:
+        """The prefill keeps the prompt's KV for a remote decode; the decode pulls it with the
+        parameters the prefill returned. The decode's source["handoff"]: tokens it loaded."""
+        assert self.decode_url is not None
+        ask = {**self.completion_body(tokens, 1), "return_token_ids": True}
+        data = self.post_json("/v1/completions", {**ask, "kv_transfer_params": REMOTE_DECODE})
+        prefill = self.served_from_openai(data, tokens)
+        params = data.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            why = f"the prefill returned no kv_transfer_params to pull from: {params!r}"
+            raise EngineError(self.name, why, self.log_tail())
+        before = self._decode_external_hits()
+        body = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
+        body["kv_transfer_params"] = params
+        answer = self.post_json("/v1/completions", body, base=self.decode_url)
+        decode = self.served_from_openai(answer, tokens)
+        decode.source["handoff"] = round(self._decode_external_hits() - before)
+        return prefill, params, decode
+
+    def _decode_scrape(self, needed: str) -> MetricSnapshot:
+        snapshot = self.scrape("/metrics", base=self.decode_url)
+        if not snapshot.has(needed):
+            why = f"the decode instance's /metrics lacks {needed}"
+            raise EngineError(self.name, why, self._decode_log_tail())
+        return snapshot
+
+    def _decode_log_tail(self) -> str:
+        return self.decode_server.log_tail(40) if self.decode_server is not None else ""
+
+
+def side_channel(env: dict[str, str]) -> dict[str, str]:
+    """`env` with a NIXL handshake port of its own."""
+    return {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}

@@ -184,9 +184,11 @@ class VllmLmcacheAdapter(VllmAdapter):
         argv = super().serve_args(config, port, events, replay, model, role)
         return [*argv, "--kv-transfer-config", json.dumps(self.connector_config())]
 
-    def handoff_args(self, role: str) -> list[str]:
+    def handoff_args(self, role: str, kv_transfer: bool = False) -> list[str]:
         """Both instances of the pair run the LMCache connector (kv_both): what the prefill
         stores, the decode finds in the server and loads (its external prefix hits)."""
+        if kv_transfer:
+            raise NotImplementedError("vllm-lmcache: the LMCache connector owns --kv-transfer-config")
         return []
 
     def clear_handoff(self) -> None:

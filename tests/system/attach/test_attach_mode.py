@@ -34,6 +34,7 @@ LAUNCH_ONLY = (
     "offload",
     "release_guard",
     "disagg_serving",
+    "transfer_accounting",  # its NIXL pair is launched beside the prefill, like disagg_serving's
     "corrupt_persisted",  # the suite stops the server to damage its files
     "persistent_prefix",
     "tiered_store_metrics",  # of the fs tier the suite configures
