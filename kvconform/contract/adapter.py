@@ -617,8 +617,9 @@ class EngineAdapter(ABC):
         measures); fewer where every measure of the path is exact."""
         return 2
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
-        """One instance lifecycle: create, load with `tokens`, release through `path`."""
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
+        """One instance lifecycle: create, load with `tokens`, release through `path`. What the
+        release left behind is what reclaim_probe() reads next; a release that fails raises."""
         raise NotImplementedError
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:

@@ -4,7 +4,7 @@ every cycle. An adapter composes it before EngineAdapter in its bases."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvconform.contract import EngineConfig
 from kvconform.memory import MemoryMeasure
@@ -26,7 +26,7 @@ class RestartChurn(_Base):
     # the final delta from the first cycle on; a second cycle gives the slope its third point.
     restart_cycles: ClassVar[int] = 2
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         if path != RESTART:
             raise NotImplementedError(f"engine {self.name} has no release path {path!r}")
         self.ensure(self.config or EngineConfig())
@@ -37,7 +37,6 @@ class RestartChurn(_Base):
         for report in reports:
             left["processes"] += len(report.leftover_processes)
             left["shm_bytes"] += sum(report.leftover_shm.values())
-        return {"teardown": [r.describe() for r in reports]}
 
     def churn_cycles(self, path: str, requested: int) -> int:
         return min(requested, self.restart_cycles)

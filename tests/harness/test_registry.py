@@ -3,7 +3,7 @@ behind it, naming the capability, the methods and the class; every shipped adapt
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 
@@ -25,7 +25,7 @@ class HalfDoneAdapter(EngineAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         raise AssertionError("never called")
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         raise AssertionError("never called")
 
 

@@ -489,13 +489,15 @@ class LmcacheAdapter(EngineAdapter):
     def churn_warmup_path(self, path: str) -> str:
         return "unregister" if path == "reaper" else path
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         self.churn_path = path
         instance_id = self._next_instance_id()
         if path == "destroy":
-            return self._inproc_cycle(index, tokens)
+            self._inproc_cycle(index, tokens)
+            return
         if path == "close":
-            return self._close_cycle(instance_id, tokens)
+            self._close_cycle(instance_id, tokens)
+            return
         client = self._client(f"lmcache-churn-{path}") if path == "reaper" else self._churn_client()
         client.call(
             "register",
@@ -507,13 +509,13 @@ class LmcacheAdapter(EngineAdapter):
         client.call("store", instance_id=instance_id, token_ids=tokens)
         client.call("retrieve", instance_id=instance_id, token_ids=tokens)
         if path == "unregister":
-            return client.call("unregister", instance_id=instance_id)
+            client.call("unregister", instance_id=instance_id)
+            return
         pid = client.process.pid
         client.process.kill_hard()  # the worker dies without unregistering
-        reaped_after = self._wait_reaped(instance_id)
+        self._wait_reaped(instance_id)
         client.close()
         self.killed_client_files += self._unlink_client_shm(pid)
-        return {"reaped_after_s": reaped_after}
 
     def _next_instance_id(self) -> int:
         self.instances_made += 1
@@ -545,7 +547,7 @@ class LmcacheAdapter(EngineAdapter):
                 count += 1
         return count
 
-    def _close_cycle(self, instance_id: int, tokens: list[int]) -> dict[str, Any]:
+    def _close_cycle(self, instance_id: int, tokens: list[int]) -> None:
         client = self._churn_client()
         client.call(
             "register",
@@ -566,9 +568,8 @@ class LmcacheAdapter(EngineAdapter):
                 self.killed_client_files += len(driver.close().leftover_shm)
         self.client = self.churner = None
         self.start(config)
-        return {"teardown": report.describe()}
 
-    def _inproc_cycle(self, index: int, tokens: list[int]) -> dict[str, Any]:
+    def _inproc_cycle(self, index: int, tokens: list[int]) -> None:
         self.inproc = live_driver(
             self.inproc,
             lambda: DriverProcess(
@@ -587,7 +588,7 @@ class LmcacheAdapter(EngineAdapter):
         got = self.inproc.call("retrieve", engine_id=engine_id, token_ids=tokens)
         if got.get("bytes_match") is False:
             raise EngineError(self.name, f"in-process retrieve returned other bytes than stored: {got}")
-        return self.inproc.call("destroy", engine_id=engine_id)
+        self.inproc.call("destroy", engine_id=engine_id)
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         if self.churn_path == "destroy":

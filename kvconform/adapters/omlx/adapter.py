@@ -619,14 +619,13 @@ class OmlxAdapter(EngineAdapter):
             self.serve_prompt(tokens[: len(tokens) - shift])
         return self._model_action(UNLOAD)
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         if path not in self.churn_paths:
             raise NotImplementedError(f"engine {self.name} has no release path {path!r}")
         self.ensure(self.config or EngineConfig())
         unloaded = self._load_serve_unload(tokens)
         if unloaded.status_code != 200:
             raise EngineError(self.name, f"unload -> HTTP {unloaded.status_code}: {unloaded.text[:200]}")
-        return {"unload": unloaded.json().get("message")}
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """The pool's own count of loaded model bytes (exact: 0 with no model loaded, whatever

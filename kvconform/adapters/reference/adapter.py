@@ -257,7 +257,7 @@ class ReferenceAdapter(EngineAdapter):
     def churn_warmup_path(self, path: str) -> str:
         return "unregister" if path == "reaper" else path  # same probe, no reaper wait
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> dict[str, Any]:
+    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         """One lifecycle per release path:
         unregister: create, load, DELETE the instance;
         reaper: create with a heartbeat, load, then the client dies (no more beats, its own
@@ -273,22 +273,27 @@ class ReferenceAdapter(EngineAdapter):
             self.post_json("/engines", {"engine_id": instance_id, "nbytes": self.INSTANCE_BYTES})
             self.post_json(f"/engines/{instance_id}/store", {"prompt": tokens})
             resp = self.http.delete(self.url(f"/engines/{instance_id}"), timeout=30)
-            return {"destroyed": resp.status_code == 200}
+            if resp.status_code != 200:
+                why = f"destroy {instance_id} -> HTTP {resp.status_code}: {resp.text[:200]}"
+                raise EngineError(self.name, why)
+            return
         if path == "restart":
             for shift in range(3):
                 self.serve_prompt(tokens[: len(tokens) - shift])
-            return {"teardown": self._restart_server(path)}
+            self._restart_server(path)
+            return
         heartbeat = self.HEARTBEAT_S if path == "reaper" else 0.0
         self.create_instance(instance_id, self.INSTANCE_BYTES, heartbeat_s=heartbeat)
         self.post_json(f"/instances/{instance_id}/load", {"prompt": tokens})
         if path == "unregister":
-            return self.release_instance(instance_id, path)
+            self.release_instance(instance_id, path)
+            return
         if path == "close":
-            return {"teardown": self._restart_server(path)}
+            self._restart_server(path)
+            return
         self._client_died(instance_id)
-        reaped_after_s = self._wait_reaped(instance_id)
+        self._wait_reaped(instance_id)
         self._free_dead_exports()
-        return {"reaped_after_s": reaped_after_s}
 
     def _client_died(self, instance_id: str) -> None:
         """The exporting client is gone: its side of the memory goes with it."""
