@@ -46,6 +46,7 @@ from typing import Any
 from kvconform import gate
 from kvconform.errors import UsageError
 from kvconform.formatting import md_cell, value_text
+from kvconform.processes import run_child_session
 from kvconform.records import CheckResult
 
 # gate rows that are not a change of verdict: a check failing in both on the same measures
@@ -383,13 +384,14 @@ def _run_pytest(step: Step, argv: list[str], out_dir: Path, env: dict[str, str])
             old.unlink()
         (results_dir / "results.json").unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
-    (out_dir / f"{step.version}.log").write_text(proc.stdout + proc.stderr)
+    log_path = out_dir / f"{step.version}.log"
+    with open(log_path, "w") as log:
+        code = run_child_session(argv, log, env=env)
     try:
         step.results = gate.load(str(results_dir))
     except gate.GateInputError as exc:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:]
-        step.error = f"pytest exit {proc.returncode}, {exc}" + (f" ({tail[0]})" if tail else "")
+        tail = log_path.read_text().strip().splitlines()[-1:]
+        step.error = f"pytest exit {code}, {exc}" + (f" ({tail[0]})" if tail else "")
 
 
 # ------------------------------------------------------------------------------------ printing

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvconform.errors import KvconformError, UsageError
+from kvconform.processes import sigterm_as_interrupt
 
 PROOF_HELP = (
     "mutants.json of `make mutants`: each check's page on a real engine lists what violated its "
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     args = parser.parse_args(argv)
+    sigterm_as_interrupt()  # a killed `kvconform mutants` or `history` stops its child sessions
     try:
         if args.command == "bisect":
             return bisect.run_cli(args)

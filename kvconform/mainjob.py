@@ -18,11 +18,11 @@ generated exits 2.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from kvconform.errors import KvconformError
+from kvconform.processes import run_child_session
 
 NO_TESTS_COLLECTED = 5
 
@@ -55,7 +55,8 @@ def run_main_job(
     results.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, *pytest_command(engines or ["reference"], results, pytest_args)]
     print(f"kvconform run: {' '.join(cmd)}", flush=True)
-    code = subprocess.run(cmd, check=False).returncode
+    code = run_child_session(cmd)
+    assert code is not None  # no timeout given
     if code == NO_TESTS_COLLECTED:
         print("kvconform run: pytest collected no checks (exit 5): treated as a failure", file=sys.stderr)
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import psutil
 
@@ -419,3 +420,52 @@ def _safe_name(proc: psutil.Process) -> str:
         return proc.name()
     except psutil.Error:
         return "?"
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM (a CI job's timeout, a runner's cancel) raises KeyboardInterrupt in the main
+    thread, so the session tears down as on Ctrl-C: engines stopped and audited, results
+    written. Left alone, SIGTERM ends Python without teardown and the engines, in sessions of
+    their own, outlive it. A second SIGTERM ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # someone else's handler: theirs to keep
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def run_child_session(
+    argv: list[str],
+    log: IO[str] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> int | None:
+    """A child kvconform session (pytest), its output to `log` (None: this process's). On
+    timeout, or when this process is interrupted, the child gets SIGTERM (its plugin tears its
+    session down) and SIGKILL only after `grace_s`; subprocess.run would SIGKILL it at once,
+    orphaning its engines. Returns its exit code, None where it timed out."""
+    output = {"stdout": log, "stderr": subprocess.STDOUT} if log is not None else {}
+    child = subprocess.Popen(argv, env=env, **output)  # type: ignore[call-overload]
+    try:
+        return child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _end_child(child, grace_s)
+        return None
+    except KeyboardInterrupt:
+        _end_child(child, grace_s)
+        raise
+
+
+def _end_child(child: subprocess.Popen[bytes], grace_s: float) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()

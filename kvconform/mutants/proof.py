@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 
 from kvconform.checkids import base_check, matches
 from kvconform.mutants.catalog import Mutant, mutants_of, unproven_reasons
+from kvconform.processes import run_child_session
 from kvconform.records import CheckResult, Run, read
 from kvconform.results import measure_key, write_atomic
 
@@ -74,9 +74,7 @@ def run_session(
         argv += ["--mutant", mutant]
     results.mkdir(parents=True, exist_ok=True)
     with open(results / "pytest.log", "w") as log:
-        try:
-            subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
+        if run_child_session(argv, log, timeout_s=timeout_s) is None:
             log.write(f"\nkvconform mutants: session timed out after {timeout_s:.0f} s\n")
     return read(results) if (results / "results.json").exists() else Run(results, {}, ())
 

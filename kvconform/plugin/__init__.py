@@ -69,6 +69,9 @@ def pytest_configure(config: pytest.Config) -> None:
     except KvconformError as exc:
         raise pytest.UsageError(f"kvconform: {exc}") from None
     start_session(config)
+    from kvconform.processes import sigterm_as_interrupt  # only once active: the plugin stays inert
+
+    sigterm_as_interrupt()
     plugins = {
         "collection": Collection,
         "lanes": EngineLanes,

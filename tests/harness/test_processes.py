@@ -22,7 +22,14 @@ import psutil
 import pytest
 
 from kvconform.errors import EngineStartError
-from kvconform.processes import SHM_CLAIMS_DIR, SHM_DIR, EngineProcess, free_port, wait_until_ready
+from kvconform.processes import (
+    SHM_CLAIMS_DIR,
+    SHM_DIR,
+    EngineProcess,
+    free_port,
+    run_child_session,
+    wait_until_ready,
+)
 from tests.paths import FIXTURES, REPO
 
 FIXTURES = FIXTURES
@@ -364,3 +371,22 @@ def test_stop_signals_the_top_alone_when_asked(tmp_path: Path, whole_group: bool
     report = proc.stop(grace_s=10)
     assert note.read_text() == child_saw
     assert report.clean and not report.forced_kill, report.describe()
+
+
+def test_a_child_session_past_its_timeout_is_asked_to_stop_first(tmp_path: Path) -> None:
+    """SIGTERM first (a kvconform session tears its engines down on it), SIGKILL after the grace."""
+    marker = tmp_path / "stopped"
+    graceful = (
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(marker)!r}).touch(), sys.exit(2)))\n"
+        "print('up', flush=True); time.sleep(60)"
+    )
+    with open(tmp_path / "log", "w") as log:
+        t0 = time.monotonic()
+        assert run_child_session([sys.executable, "-c", graceful], log, timeout_s=2.0, grace_s=20.0) is None
+    assert marker.exists(), "the child was not sent SIGTERM"
+    assert time.monotonic() - t0 < 15, "the child ended on SIGTERM; no wait for the grace"
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    t0 = time.monotonic()
+    assert run_child_session([sys.executable, "-c", stubborn], None, timeout_s=1.0, grace_s=1.0) is None
+    assert time.monotonic() - t0 < 15, "a child ignoring SIGTERM is killed after the grace"

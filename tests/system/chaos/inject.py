@@ -74,6 +74,10 @@ def _engine_pids(adapter: Any) -> list[int]:
 
 # ---- faults on the engine's processes -------------------------------------------------------
 def _kill(adapter: Any, how: str) -> None:
+    if how == "sigterm_suite":  # the suite itself, as a CI job's timeout or a cancel would
+        log("injected", fault=FAULT, pids=[os.getpid()])
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     pids = _engine_pids(adapter) if FAULT != "kill_attached" else [int(CFG["pid"])]
     if how == "stop":
         for pid in pids:
@@ -325,7 +329,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         log("sockets", check=item.nodeid, pids=pids, engine=listening(pids), suite=listening([os.getpid()]))
         if target:
             log("target", check=item.nodeid)
-            if FAULT in ("kill", "stop", "kill_attached"):
+            if FAULT in ("kill", "stop", "kill_attached", "sigterm_suite"):
                 _wrap_trigger(adapter, "serve_prompt", FAULT)
             elif FAULT == "kill_churn":
                 _wrap_trigger(adapter, "churn_cycle", "kill")

@@ -120,6 +120,28 @@ def test_sigkill_mid_churn_cycle(tmp_path: Path, chaos_table) -> None:
     assert_clean(run, row)
 
 
+def test_sigterm_to_the_suite_tears_its_engine_down(tmp_path: Path, chaos_table) -> None:
+    """A CI job's timeout or a runner's cancel sends the suite SIGTERM mid-check: the session
+    must end as on Ctrl-C (pytest's exit 2), its engine stopped, results written."""
+    run = run_chaos(tmp_path, {"fault": "sigterm_suite", "check": FIRST, "at": 2}, [BLOCK], THREE, 0)
+    row = Row(
+        "suite SIGTERMed mid-check (a CI timeout)",
+        "reference",
+        f"pytest exit {run.proc.returncode}",
+        "n/a",
+        "n/a",
+        summarize(run.records),
+        run.orphans,
+        run.shm_left,
+        run.complete,
+        run.wall_s,
+    )
+    chaos_table(row)
+    assert run.proc.returncode == pytest.ExitCode.INTERRUPTED, run.output
+    assert any(e["event"] == "injected" for e in run.log), "the fault never fired"
+    assert_clean(run, row)
+
+
 def test_engine_exits_during_startup(tmp_path: Path, chaos_table) -> None:
     run = run_chaos(tmp_path, {"fault": "startup_exit"}, [BLOCK], THREE[:4], 2)
     target = run.record(FIRST)
