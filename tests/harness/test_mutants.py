@@ -127,6 +127,29 @@ def test_judged_killed_only_against_a_passing_clean_run(
     assert outcome.status == status
 
 
+def test_a_pattern_skips_the_cases_the_engine_skips() -> None:
+    """`[mla-4-*]` on an engine without page size 32: that case is skipped, not "clean fails"."""
+    m = mutant("a", "b")
+    m = catalog.Mutant(
+        m.name,
+        m.engine,
+        m.bug,
+        m.patches,
+        (catalog.Expectation("suite::t[*]", ("leaked_blocks",)),),
+        m.source,
+    )
+    skipped = CheckResult.from_dict({"check": "suite::t[32]", "outcome": "skipped", "measures": []})
+    clean = Run(Path("clean"), {}, (record("suite::t[16]", True, 0), skipped))
+    mutated = Run(
+        Path("mutant"),
+        {"mutant": {"applied": ["toy_engine.pool"]}},
+        (record("suite::t[16]", False, 1), skipped),
+    )
+    assert [(o.check, o.status) for o in judge_mutant("toy", m, clean, mutated)] == [
+        ("suite::t[16]", "killed")
+    ]
+
+
 def test_no_record_is_said_as_such() -> None:
     (outcome,) = judge_mutant("toy", mutant("a", "b"), Run(Path("c"), {}, ()), Run(Path("m"), {}, ()))
     assert outcome.status == "no record"
