@@ -450,8 +450,8 @@ def run_child_session(
     timeout, or when this process is interrupted, the child gets SIGTERM (its plugin tears its
     session down) and SIGKILL only after `grace_s`; subprocess.run would SIGKILL it at once,
     orphaning its engines. Returns its exit code, None where it timed out."""
-    output = {"stdout": log, "stderr": subprocess.STDOUT} if log is not None else {}
-    child = subprocess.Popen(argv, env=env, **output)  # type: ignore[call-overload]
+    stderr = subprocess.STDOUT if log is not None else None
+    child = subprocess.Popen(argv, env=env, stdout=log, stderr=stderr)
     try:
         return child.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

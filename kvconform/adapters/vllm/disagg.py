@@ -61,6 +61,7 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_TRANSFERS = "vllm:nixl_bytes_transferred_count"
 NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors_sum"
 NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
+NIXL_READ = (NIXL_BYTES, NIXL_TRANSFERS, NIXL_DESCRIPTORS, NIXL_FAILED)  # each must be exported
 # The engine core publishes connector stats with its next scheduler stats, after the request.
 NIXL_STATS_WAIT_S = 10.0
 # What vLLM's toy proxy asks the prefill for: keep the KV for a remote decode to pull.
@@ -135,9 +136,6 @@ class DisaggregatedPair(_Base):
         through the connector (its external-hit counter, moved by this request alone)."""
         if self.decode_url is None:
             raise EngineError(self.name, "serve_disaggregated needs EngineConfig(disaggregated=True)")
-        if self.config is not None and self.config.kv_transfer:
-            prefill, _, decode = self._pull_through_pair(tokens, max_tokens)
-            return ServedPrompt(decode.prompt_tokens, prefill.cached_tokens, decode.output, decode.source)
         prefill = self.openai_completion(tokens, 1, return_token_ids=True)
         before = self._decode_external_hits()
         body: dict[str, Any] = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
@@ -149,10 +147,7 @@ class DisaggregatedPair(_Base):
         return ServedPrompt(decode.prompt_tokens, prefill.cached_tokens, decode.output, source)
 
     def _decode_external_hits(self) -> float:
-        snapshot = self.scrape("/metrics", base=self.decode_url)
-        if not snapshot.has(EXTERNAL_HITS):
-            raise EngineError(self.name, f"the decode instance's /metrics lacks {EXTERNAL_HITS}")
-        return snapshot.value(EXTERNAL_HITS)
+        return self._decode_scrape(EXTERNAL_HITS).value(EXTERNAL_HITS)
 
     def transfer(
         self,
@@ -170,13 +165,13 @@ class DisaggregatedPair(_Base):
         if page_size != self.block_size():
             raise NotImplementedError(f"{self.name} transfers whole blocks of {self.block_size()} tokens")
         self.ensure(EngineConfig(disaggregated=True, kv_transfer=True))
-        before = self._decode_scrape(NIXL_BYTES)
+        before = self._decode_scrape(*NIXL_READ)
         prefill, params, decode = self._pull_through_pair(tokens, 1)
-        after = self._decode_scrape(NIXL_BYTES)
+        after = self._decode_scrape(*NIXL_READ)
         deadline = time.monotonic() + NIXL_STATS_WAIT_S
         while after.value(NIXL_TRANSFERS) <= before.value(NIXL_TRANSFERS) and time.monotonic() < deadline:
             time.sleep(0.2)
-            after = self._decode_scrape(NIXL_BYTES)
+            after = self._decode_scrape(*NIXL_READ)
         transfers = after.delta(before, NIXL_TRANSFERS)
         failed = after.delta(before, NIXL_FAILED)
         if transfers < 1 and failed < 1:
@@ -223,10 +218,12 @@ class DisaggregatedPair(_Base):
         decode.source["handoff"] = round(self._decode_external_hits() - before)
         return prefill, params, decode
 
-    def _decode_scrape(self, needed: str) -> MetricSnapshot:
+    def _decode_scrape(self, *needed: str) -> MetricSnapshot:
+        """The decode instance's /metrics; an error naming what it lacks of `needed`."""
         snapshot = self.scrape("/metrics", base=self.decode_url)
-        if not snapshot.has(needed):
-            why = f"the decode instance's /metrics lacks {needed}"
+        missing = [name for name in needed if not snapshot.has(name)]
+        if missing:
+            why = f"the decode instance's /metrics lacks {', '.join(missing)}"
             raise EngineError(self.name, why, self._decode_log_tail())
         return snapshot
 
