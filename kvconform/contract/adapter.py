@@ -21,8 +21,8 @@ import pytest
 import requests
 
 from kvconform import envs, timing
-from kvconform.contract.capabilities import Capability
-from kvconform.contract.facets import ActiveBlockTracker, RadixCache, RouterIndex
+from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
+from kvconform.contract.facets import ActiveBlockTracker, RadixCache, RemoteStore, RouterIndex, TraceReplay
 from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
@@ -49,18 +49,6 @@ from kvconform.results import Measure
 class EngineAdapter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
-    attach_capabilities_removed: ClassVar[frozenset[Capability]] = frozenset(
-        {
-            Capability.RESTART,
-            Capability.BLOCK_SIZE_CONFIG,
-            Capability.PERSISTENT_PREFIX,
-            Capability.CORRUPT_PERSISTED,
-            Capability.INSTANCE_CHURN,
-            Capability.HOST_MEMORY,
-            Capability.OFFLOAD_STORE_FAILURE,
-            Capability.LONG_SESSION,
-        }
-    )
     # The granularity of prefix reuse, in tokens; 1 for an engine that reuses any common prefix
     # token by token (no blocks). A launch profile may set an instance's own.
     default_block_size: int = 16
@@ -77,9 +65,6 @@ class EngineAdapter(ABC):
     # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
     # it (an engine that publishes gauges only per batch and on an idle timer).
     idle_gauge_refresh_s: ClassVar[float] = 0.0
-    # The modes of the engine's offline trace replay (TRACE_REPLAY): aggregated, and a
-    # disaggregated prefill -> decode hand-off where the engine simulates one.
-    replay_modes: ClassVar[tuple[str, ...]] = ("agg", "disagg")
     # Seconds the engine waits, by its own design, between a client's disconnect and the abort
     # of its request (0: at once).
     abort_delay_s: ClassVar[float] = 0.0
@@ -161,15 +146,18 @@ class EngineAdapter(ABC):
     def attached(self) -> bool:
         return self.ctx.url is not None
 
-    def effective_capabilities(self) -> frozenset[Capability]:
-        if self.attached:
-            return self.capabilities - self.attach_capabilities_removed
-        return self.capabilities
+    def unsupported(self) -> dict[Capability, str]:
+        """What this instance cannot offer, each with why (the skip reason quotes it): the one
+        place an adapter narrows `capabilities` for a mode or a release, or says why its engine
+        lacks a capability it never declares. Attached, whatever needs a launched engine."""
+        if not self.attached:
+            return {}
+        why = "attached: needs an engine the suite launched"
+        return {capability: why for capability in self.capabilities & NEEDS_LAUNCH}
 
-    def capability_gaps(self) -> dict[Capability, str]:
-        """Why this instance lacks a capability its engine has elsewhere (e.g. a release
-        without the metric), for the skip reason; {} when nothing needs saying."""
-        return {}
+    def supports(self, capability: Capability) -> bool:
+        """Whether a check requiring `capability` runs on this instance."""
+        return capability in self.capabilities and capability not in self.unsupported()
 
     def block_size(self) -> int:
         if self.attached:
@@ -484,51 +472,9 @@ class EngineAdapter(ABC):
         """Wait until what was stored has reached the persistent tier."""
         return None
 
-    # ---- the remote tier (REMOTE_TIER): a KV store (Redis/Valkey...) the suite reads with its
-    # own client, damages while the engine is stopped, and stops under a running engine.
-    def remote_entries(self) -> dict[str, int]:
-        """The engine's own keys in the remote store -> the bytes each holds."""
-        raise NotImplementedError
-
-    def remote_objects_total(self) -> int:
-        """Every object in the remote store, the engine's or not."""
-        raise NotImplementedError
-
-    def remote_memory_usage(self, key: str) -> int:
-        """What the store says one key costs it (value plus its own overhead), in bytes."""
-        raise NotImplementedError
-
-    def remote_read(self, key: str) -> bytes:
-        """One stored value, read straight from the store."""
-        raise NotImplementedError
-
-    def remote_write(self, key: str, data: bytes) -> None:
-        """Overwrite one stored value behind the engine's back (to damage it)."""
-        raise NotImplementedError
-
-    def remote_capacity_bytes(self) -> int:
-        """The remote tier's capacity the adapter configured (its eviction bound)."""
-        raise NotImplementedError
-
-    def remote_wipe(self) -> None:
-        """Stop the engine and empty the remote store out of band (the store keeps running)."""
-        raise NotImplementedError
-
-    def remote_down(self) -> TeardownReport:
-        """Stop the remote server under the running engine; what its teardown found."""
-        raise NotImplementedError
-
-    def remote_pause_writes(self, seconds: float) -> None:
-        """The remote store holds every write for `seconds` (reads go on): the engine's stores
-        stay in flight that long, whatever its own counters say."""
-        raise NotImplementedError
-
-    def remote_refuse_writes(self, refuse: bool) -> None:
-        """While on, the remote store refuses every write with an error (reads go on)."""
-        raise NotImplementedError
-
-    def remote_refused_writes(self) -> int:
-        """How many writes the remote store has refused so far, counted by the store."""
+    # ---- the remote tier (REMOTE_TIER) --------------------------------------------------
+    def remote_tier(self) -> RemoteStore:
+        """The remote KV store the engine offloads to, as the suite reads and damages it."""
         raise NotImplementedError
 
     # ---- offload (OFFLOAD_*) -----------------------------------------------------------
@@ -591,10 +537,8 @@ class EngineAdapter(ABC):
         """The router-side prefix index the engine keeps from its workers' KV events."""
         raise NotImplementedError
 
-    def replay(
-        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
-    ) -> dict[str, Any]:
-        """Offline replay of a trace of requests (hash_ids per block) in simulated time."""
+    def trace_replay(self) -> TraceReplay:
+        """The engine's offline replay of request traces in simulated time."""
         raise NotImplementedError
 
     def block_tracker(self) -> ActiveBlockTracker:

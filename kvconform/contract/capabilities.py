@@ -47,3 +47,20 @@ class Capability(StrEnum):
     DISAGG_SERVING = "disagg_serving"  # prefill and decode instances serve requests end to end
     # remote tiers
     REMOTE_TIER = "remote_tier"  # a remote KV store (Redis/Valkey...) the suite can read, damage and stop
+
+
+# What only an engine the suite launched can offer: its checks stop, restart, reconfigure or
+# damage the engine, or read its processes. Attached to a server someone else runs, an
+# adapter offers none of them.
+NEEDS_LAUNCH = frozenset(
+    {
+        Capability.RESTART,
+        Capability.BLOCK_SIZE_CONFIG,
+        Capability.PERSISTENT_PREFIX,
+        Capability.CORRUPT_PERSISTED,
+        Capability.INSTANCE_CHURN,
+        Capability.HOST_MEMORY,
+        Capability.OFFLOAD_STORE_FAILURE,
+        Capability.LONG_SESSION,
+    }
+)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from kvconform.processes import TeardownReport
+
 
 class Outcome(StrEnum):
     """How a service answered a request that changes its state."""
@@ -178,3 +180,111 @@ class RouterIndex(ABC):
     @abstractmethod
     def resident_bytes(self) -> int:
         """Resident memory of the process holding the index, as the kernel counts it."""
+
+
+@dataclass(frozen=True)
+class TracedRequest:
+    """One request of a replay trace. Its prompt is named block by block: one id per block of
+    the replay's block size, the partial last block included (its own id); equal ids mean
+    equal content, so two requests share a prefix as far as their ids agree."""
+
+    arrival_ms: float
+    input_length: int
+    output_length: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplaySetup:
+    """One worker per role, a cache of `cache_blocks` blocks, requests one at a time.
+    Disaggregated: a prefill worker hands each prompt's KV to a decode worker over a link of
+    `link_gbps` decimal GB/s (1 GB/s moves 1e6 bytes per ms), `kv_bytes_per_token` a token."""
+
+    block_size: int
+    cache_blocks: int
+    disaggregated: bool = False
+    kv_bytes_per_token: int = 0
+    link_gbps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A disaggregated request's KV hand-off, in simulated milliseconds (None: not reported)."""
+
+    transfer_ms: float | None
+    destination_reserved_ms: float | None
+    destination_activated_ms: float | None
+    decode_admitted_ms: float | None
+
+
+@dataclass(frozen=True)
+class ReplayedRequest:
+    arrival_ms: float
+    input_length: int
+    reused_input_tokens: int  # prompt tokens served from cache, as the engine counted them
+    completed: bool
+    handoff: Handoff | None = None  # disaggregated replays only
+
+
+class TraceReplay(ABC):
+    """An engine's offline replay of a request trace in simulated time (TRACE_REPLAY): what
+    each request reused from the cache the earlier ones left, and, where the engine simulates
+    disaggregated serving, each request's KV hand-off."""
+
+    simulates_handoff: bool = False
+
+    @abstractmethod
+    def replay(self, trace: list[TracedRequest], setup: ReplaySetup) -> list[ReplayedRequest]:
+        """Every request of `trace`, in arrival order."""
+
+
+class RemoteStore(ABC):
+    """The remote KV store an engine offloads to (REMOTE_TIER: Redis, Valkey...), run by the
+    suite and read with the store's own client: what the engine wrote there, the store's own
+    accounting, and the faults a store really has (damaged values, paused or refused writes,
+    the server gone)."""
+
+    @abstractmethod
+    def entries(self) -> dict[str, int]:
+        """The engine's objects in the store -> the bytes each value holds."""
+
+    @abstractmethod
+    def objects_total(self) -> int:
+        """Every object in the store, the engine's or not."""
+
+    @abstractmethod
+    def memory_usage(self, key: str) -> int:
+        """What the store says one object costs (key, value and its own overhead)."""
+
+    @abstractmethod
+    def read(self, key: str) -> bytes:
+        """One stored value, read straight from the store."""
+
+    @abstractmethod
+    def write(self, key: str, data: bytes) -> None:
+        """Overwrite one stored value behind the engine's back (to damage it)."""
+
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """The capacity the adapter configured the engine's remote tier with."""
+
+    @abstractmethod
+    def wipe(self) -> None:
+        """The engine stopped and the store emptied out of band (the store keeps running)."""
+
+    @abstractmethod
+    def down(self) -> TeardownReport:
+        """The store's server stopped under a running engine; its teardown report."""
+
+    @abstractmethod
+    def pause_writes(self, seconds: float) -> None:
+        """The store holds every write for `seconds` (reads go on): the engine's stores stay in
+        flight that long, whatever its own counters say."""
+
+    @abstractmethod
+    def refuse_writes(self, refuse: bool) -> None:
+        """While on, the store refuses every write with an error (reads go on)."""
+
+    @abstractmethod
+    def refused_writes(self) -> int:
+        """The store's own count of writes it refused."""

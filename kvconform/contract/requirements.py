@@ -10,20 +10,6 @@ from __future__ import annotations
 from kvconform.contract.adapter import EngineAdapter
 from kvconform.contract.capabilities import Capability as C
 
-REMOTE_TIER_METHODS = (
-    "remote_entries",
-    "remote_objects_total",
-    "remote_memory_usage",
-    "remote_read",
-    "remote_write",
-    "remote_capacity_bytes",
-    "remote_wipe",
-    "remote_down",
-    "remote_pause_writes",
-    "remote_refuse_writes",
-    "remote_refused_writes",
-)
-
 METHODS: dict[C, tuple[str, ...]] = {
     C.PREFIX_CACHE: ("serve_prompt",),
     C.PREFIX_HIT_COUNTERS: ("metrics",),
@@ -48,9 +34,9 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.RADIX_INDEX: ("router_index",),
     C.RADIX_CACHE_MODEL: ("radix_cache",),
     C.ROUTER_PREDICTION: ("serve_routed",),
-    C.TRACE_REPLAY: ("replay",),
+    C.TRACE_REPLAY: ("trace_replay",),
     C.DISAGG_SERVING: ("serve_disaggregated",),
-    C.REMOTE_TIER: REMOTE_TIER_METHODS,
+    C.REMOTE_TIER: ("remote_tier",),
 }
 
 

@@ -114,26 +114,17 @@ class Collection:
                 config.hook.pytest_deselected(items=dropped)
                 items[:] = keep
         known = manifest(config)
-        url = config.getoption("--engine-url")
         session = kv_session(config)
         for item in items:
             name = engine_of(item)
             if name is None:
                 continue
             adapter = session.adapter(name)
-            caps = adapter.effective_capabilities()
-            gaps = adapter.capability_gaps()
+            gaps = adapter.unsupported()
             for marker in item.iter_markers("requires"):
-                missing = [Capability(c) for c in marker.args if Capability(c) not in caps]
+                missing = [Capability(c) for c in marker.args if not adapter.supports(Capability(c))]
                 if missing:
-                    named = ", ".join(
-                        f"{c} ({gaps[c]})"
-                        if c in gaps
-                        else f"{c} (in attach mode)"
-                        if url and c in adapter.capabilities
-                        else str(c)
-                        for c in missing
-                    )
+                    named = ", ".join(f"{c} ({gaps[c]})" if c in gaps else str(c) for c in missing)
                     item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))
                     break
             entry = known.match(name, adapter.version, check_id(item))

@@ -78,5 +78,4 @@ class Fixtures:
     @staticmethod
     def has(engine: EngineAdapter) -> Callable[[Capability], bool]:
         """has(Capability.X): whether the engine (in this mode) offers an optional extra."""
-        caps = engine.effective_capabilities()
-        return lambda capability: capability in caps
+        return engine.supports

@@ -4,7 +4,7 @@ a prefix cache with a local L1 and a remote L2 store, as LMCache runs with Redis
 Not an engine. The contract is the one LmcacheRedisAdapter implements (kvconform/adapters/lmcache):
 
   store        the remote server, a dict key -> bytes; it outlives the engine (stop/restart) and
-               is stopped only by remote_down(), or emptied out of band by remote_wipe()
+               is stopped only by its down(), or emptied out of band by its wipe()
   chunks       one per whole block of the prompt (a cache store: every stored chunk is returned,
                recomputes_last_token = False), keyed by a hash chain under "kvc-double@"; a value
                is the chunk's KV (kv_bytes_per_token x block), its last 32 bytes a digest of the key
@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, EngineConfig, ServedPrompt
+from kvconform.contract import Capability, EngineConfig, RemoteStore, ServedPrompt
 from kvconform.engines.reference.faults import Fault
 from kvconform.errors import EngineError
 from kvconform.metrics import MetricSnapshot
@@ -570,7 +570,7 @@ class RemoteTierDouble(DoubleAdapter):
     def _evict(self) -> None:
         if self.fault == "eviction_never_runs":
             return
-        capacity = self.remote_capacity_bytes()
+        capacity = self.remote_tier().capacity_bytes()
         if sum(self.l2.values()) <= TRIGGER * capacity:
             return
         while self.l2 and sum(self.l2.values()) > TARGET * capacity:
@@ -625,47 +625,57 @@ class RemoteTierDouble(DoubleAdapter):
             raise EngineError(self.name, "the remote store is not running")
         return self.store
 
-    def remote_entries(self) -> dict[str, int]:
-        self._release_held()
-        return {k: len(v) for k, v in self._up().data.items() if k.startswith(PREFIX)}
-
-    def remote_objects_total(self) -> int:
-        return len(self._up().data)
-
-    def remote_memory_usage(self, key: str) -> int:
-        return self._up().memory_usage(key)
-
-    def remote_read(self, key: str) -> bytes:
-        return self._up().data.get(key, b"")
-
-    def remote_write(self, key: str, data: bytes) -> None:
-        self._up().data[key] = bytes(data)
-
-    def remote_capacity_bytes(self) -> int:
-        return CAPACITY_CHUNKS * self.offload_block_bytes()
-
-    def remote_wipe(self) -> None:
-        self.stop()
-        if not self.store.up:
-            self.store = Store()
-        self.store.data.clear()
-
-    def remote_pause_writes(self, seconds: float) -> None:
-        self._up().paused_until = time.monotonic() + seconds
-
-    def remote_refuse_writes(self, refuse: bool) -> None:
-        self._up().refusing = refuse
-
-    def remote_refused_writes(self) -> int:
-        return self._up().refused
-
-    def remote_down(self) -> TeardownReport:
-        self.store.up = False
-        leftovers = []
-        if self.fault == "remote_teardown_leaves_child":
-            leftovers = ["redis-rdb-bgsave (remote double)"]
-        return TeardownReport("remote store (double)", 0, 0.0, False, leftover_processes=leftovers)
+    def remote_tier(self) -> RemoteStore:
+        return DoubleStore(self)
 
 
 _DESYNC = frozenset({"truncated_value_desyncs_connection", "desynced_reads_served_and_rewritten"})
 _LENGTH_ONLY = frozenset({"remote_checks_length_only", "desynced_reads_served_and_rewritten"})
+
+
+class DoubleStore(RemoteStore):
+    """The double's remote store, seen as the suite sees a real one."""
+
+    def __init__(self, double: RemoteTierDouble) -> None:
+        self.d = double
+
+    def entries(self) -> dict[str, int]:
+        self.d._release_held()
+        return {k: len(v) for k, v in self.d._up().data.items() if k.startswith(PREFIX)}
+
+    def objects_total(self) -> int:
+        return len(self.d._up().data)
+
+    def memory_usage(self, key: str) -> int:
+        return self.d._up().memory_usage(key)
+
+    def read(self, key: str) -> bytes:
+        return self.d._up().data.get(key, b"")
+
+    def write(self, key: str, data: bytes) -> None:
+        self.d._up().data[key] = bytes(data)
+
+    def capacity_bytes(self) -> int:
+        return CAPACITY_CHUNKS * self.d.offload_block_bytes()
+
+    def wipe(self) -> None:
+        self.d.stop()
+        if not self.d.store.up:
+            self.d.store = Store()
+        self.d.store.data.clear()
+
+    def pause_writes(self, seconds: float) -> None:
+        self.d._up().paused_until = time.monotonic() + seconds
+
+    def refuse_writes(self, refuse: bool) -> None:
+        self.d._up().refusing = refuse
+
+    def refused_writes(self) -> int:
+        return self.d._up().refused
+
+    def down(self) -> TeardownReport:
+        self.d.store.up = False
+        leftovers = []
+        if self.d.fault == "remote_teardown_leaves_child":
+            leftovers = ["redis-rdb-bgsave (remote double)"]
+        return TeardownReport("remote store (double)", 0, 0.0, False, leftover_processes=leftovers)

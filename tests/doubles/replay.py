@@ -1,19 +1,14 @@
 """Test double for TRACE_REPLAY: an offline replay of a trace through an LRU block cache.
 
-Not an engine. The contract is the one adapters/dynamo.py drives through Dynamo's offline
-mocker replay (replay(trace, engine_args, mode, ...)):
-
-  trace        [{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}],
-               one hash id per block of block_size tokens, the partial last block included.
-  engine_args  block_size, num_gpu_blocks, and in disagg mode kv_bytes_per_token and
-               kv_transfer_bandwidth_gbps (decimal GB/s: 1 GB/s moves 1e6 bytes per ms).
-  mode         "agg": one worker; "disagg": one prefill and one decode worker.
+Not an engine. The contract is the TraceReplay facet (kvconform.contract.facets), which
+Dynamo's adapter maps onto its offline mocker replay: one worker per role ("agg": one worker;
+disaggregated: one prefill and one decode worker), a trace of requests named block by block.
 
 Requests run one at a time in arrival order, in simulated time. A request's cached prefix is
 the longest run of its full blocks (a chain of hash ids from the first) present in the
 worker's cache; a serving engine computes at least the last prompt token, so it reuses
 min(cached, floor((n - 1) / block)) blocks. Its full blocks are then cached (LRU, capacity
-num_gpu_blocks). In disagg mode the prefill worker hands the whole prompt's KV to the decode
+cache_blocks). In disagg mode the prefill worker hands the whole prompt's KV to the decode
 worker: transfer_ms = n * kv_bytes_per_token / bandwidth; the destination is reserved when
 prefill ends, activated when the transfer ends, and decode admits the request after that.
 """
@@ -21,9 +16,9 @@ prefill ends, activated when the transfer ends, and decode admits the request af
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from kvconform.contract import Capability
+from kvconform.contract import Capability, Handoff, ReplayedRequest, ReplaySetup, TracedRequest, TraceReplay
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
@@ -96,89 +91,52 @@ class ReplayDouble(DoubleAdapter):
     capabilities = frozenset({Capability.TRACE_REPLAY})
     faults: ClassVar[dict[str, Fault]] = FAULTS
 
-    def replay(
-        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
-    ) -> dict[str, Any]:
-        if mode not in ("agg", "disagg"):
-            raise ValueError("mode must be 'agg' or 'disagg'")
-        workers = [options.get(k, 1) for k in ("num_workers", "num_prefill_workers", "num_decode_workers")]
-        if any(int(w) != 1 for w in workers) or options.get("replay_concurrency", 1) not in (1, None):
-            raise NotImplementedError("the replay double runs one worker per role, one request at a time")
-        block = int(engine_args.get("block_size", 16))
-        cache = LruBlockCache(int(engine_args.get("num_gpu_blocks", 4096)))
-        bytes_per_token = engine_args.get("kv_bytes_per_token")
-        bandwidth = engine_args.get("kv_transfer_bandwidth_gbps")
-        if mode == "disagg" and (not bytes_per_token or not bandwidth):
-            raise ValueError("disagg replay needs kv_bytes_per_token and kv_transfer_bandwidth_gbps")
+    def trace_replay(self) -> TraceReplay:
+        return LruReplay(self.fault)
+
+
+class LruReplay(TraceReplay):
+    simulates_handoff = True
+
+    def __init__(self, fault: str | None) -> None:
+        self.fault = fault
+
+    def replay(self, trace: list[TracedRequest], setup: ReplaySetup) -> list[ReplayedRequest]:
+        block = setup.block_size
+        cache = LruBlockCache(setup.cache_blocks)
+        bytes_per_token = setup.kv_bytes_per_token
+        if setup.disaggregated and (not bytes_per_token or not setup.link_gbps):
+            raise ValueError("a disaggregated replay needs kv_bytes_per_token and link_gbps")
         if self.fault == "handoff_default_bytes_per_token":
             bytes_per_token = DEFAULT_BYTES_PER_TOKEN
-        bytes_per_ms = None if not bandwidth else float(bandwidth) * 1e6
-        if bytes_per_ms and self.fault == "handoff_bandwidth_in_bits":
+        bytes_per_ms = setup.link_gbps * 1e6
+        if self.fault == "handoff_bandwidth_in_bits":
             bytes_per_ms /= 8
         now, rows = 0.0, []
-        for index, req in sorted(enumerate(trace), key=lambda p: (p[1].get("timestamp", 0), p[0])):
-            n, hash_ids = int(req["input_length"]), [int(h) for h in req["hash_ids"]]
-            reused = self._reused_tokens(cache, hash_ids, n, block)
-            cache.store(hash_ids, len(hash_ids) if self.fault == "partial_block_counted" else n // block)
-            arrival = float(req.get("timestamp", 0))
-            start = max(now, arrival)
+        for req in sorted(trace, key=lambda r: r.arrival_ms):
+            n, block_ids = req.input_length, list(req.block_ids)
+            reused = self._reused_tokens(cache, block_ids, n, block)
+            cache.store(block_ids, len(block_ids) if self.fault == "partial_block_counted" else n // block)
+            start = max(now, req.arrival_ms)
             prefill_end = start + PREFILL_OVERHEAD_MS + (n - reused) * PREFILL_MS_PER_TOKEN
             handoff = None
             decode_start = prefill_end
-            if mode == "disagg":
-                assert bytes_per_ms is not None
+            if setup.disaggregated:
                 reserved = prefill_end
-                activated = reserved + n * float(bytes_per_token) / bytes_per_ms
+                activated = reserved + n * bytes_per_token / bytes_per_ms
                 admit = reserved if self.fault == "decode_before_transfer" else activated
-                handoff = {
-                    "prefill_admit_ms": start,
-                    "source_held_ms": prefill_end,
-                    "destination_reserved_ms": reserved,
-                    "destination_activated_ms": activated,
-                    "source_released_ms": activated,
-                    "decode_admit_ms": admit,
-                    "transfer_ms": activated - reserved,
-                }
+                handoff = Handoff(activated - reserved, reserved, activated, admit)
                 decode_start = max(admit, activated)
-            end = decode_start + int(req["output_length"]) * DECODE_MS_PER_TOKEN
-            now = end
-            rows.append(
-                {
-                    "index": index,
-                    "arrival_time_ms": arrival,
-                    "input_length": n,
-                    "output_length": int(req["output_length"]),
-                    "reused_input_tokens": reused,
-                    "ttft_ms": prefill_end - arrival,
-                    "e2e_latency_ms": end - arrival,
-                    "terminal_status": "completed",
-                    "handoff": handoff,
-                }
-            )
-        total_in = sum(r["input_length"] for r in rows)
-        return {
-            "source": "trace",
-            "mode": mode,
-            "block_size": block,
-            "kv_bytes_per_token": bytes_per_token,
-            "kv_transfer_bandwidth_gbps": bandwidth,
-            "bandwidth_bytes_per_ms": bytes_per_ms,
-            "summary": {
-                "num_requests": len(rows),
-                "completed_requests": len(rows),
-                "total_input_tokens": total_in,
-                "prefix_cache_reused_ratio": sum(r["reused_input_tokens"] for r in rows) / max(total_in, 1),
-                "duration_ms": now,
-            },
-            "requests": rows,
-        }
+            now = decode_start + req.output_length * DECODE_MS_PER_TOKEN
+            rows.append(ReplayedRequest(req.arrival_ms, n, reused, True, handoff))
+        return rows
 
-    def _reused_tokens(self, cache: LruBlockCache, hash_ids: list[int], n: int, block: int) -> int:
+    def _reused_tokens(self, cache: LruBlockCache, block_ids: list[int], n: int, block: int) -> int:
         if self.fault == "partial_block_counted":
-            matched = cache.cached_blocks(hash_ids, len(hash_ids))
+            matched = cache.cached_blocks(block_ids, len(block_ids))
             tokens = sum(min(block, n - k * block) for k in range(matched))
             return min(tokens, n - 1)
-        matched = cache.cached_blocks(hash_ids, n // block)
+        matched = cache.cached_blocks(block_ids, n // block)
         if self.fault == "no_last_token_rule":
             return matched * block
         return min(matched, (n - 1) // block) * block

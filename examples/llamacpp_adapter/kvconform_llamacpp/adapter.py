@@ -93,13 +93,6 @@ class LlamaCppAdapter(RestartChurn, EngineAdapter):
     # ours: a slot erase need not empty the host-RAM prompt cache (on by default, 8192 MiB,
     # common/common.h:634) and the capacity is unknown, so neither reset nor forced eviction
     # can be promised.
-    attach_capabilities_removed: ClassVar[frozenset[Capability]] = (
-        EngineAdapter.attach_capabilities_removed
-        | {
-            C.RESET_PREFIX_CACHE,
-            C.FORCED_EVICTION,
-        }
-    )
     # prefix_queries is not one series: see metric() (processed + cached prompt tokens).
     metric_names: ClassVar[dict[str, str]] = {"prefix_hits": CACHED_TOKENS}
 
@@ -107,11 +100,12 @@ class LlamaCppAdapter(RestartChurn, EngineAdapter):
         super().__init__(ctx)
         self.server: LaunchedServer | None = None
 
-    def capability_gaps(self) -> dict[Capability, str]:
-        if not self.attached:
-            return {}
-        why = "attached: the server's --cache-ram, --parallel and -c are not the adapter's"
-        return {C.RESET_PREFIX_CACHE: why, C.FORCED_EVICTION: why}
+    def unsupported(self) -> dict[Capability, str]:
+        gaps = super().unsupported()
+        if self.attached:
+            why = "attached: the server's --cache-ram, --parallel and -c are not the adapter's"
+            gaps |= {C.RESET_PREFIX_CACHE: why, C.FORCED_EVICTION: why}
+        return gaps
 
     # ---- lifecycle ----------------------------------------------------------------------
     def model_path(self) -> Path:

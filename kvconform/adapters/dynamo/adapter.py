@@ -18,6 +18,7 @@ import requests
 
 from kvconform.adapters.dynamo.router_index import DynamoRouterIndex
 from kvconform.adapters.dynamo.slot_tracker import SlotTrackerClient
+from kvconform.adapters.dynamo.trace_replay import DynamoTraceReplay
 from kvconform.contract import (
     ActiveBlockTracker,
     AdapterContext,
@@ -27,6 +28,7 @@ from kvconform.contract import (
     ModelShape,
     RouterIndex,
     ServedPrompt,
+    TraceReplay,
     poll_until,
 )
 from kvconform.errors import EngineError, EngineStartError
@@ -79,9 +81,6 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
             C.DISAGG_SERVING,
         }
     )
-    # Attached, the suite knows the frontend only: the mockers' system ports (their KV usage,
-    # their request counts) and event ports are a team's own.
-    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {C.ABORT_REQUESTS, C.KV_EVENTS}
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
         "prefix_hits": "dynamo_frontend_cached_tokens_sum",
@@ -102,6 +101,15 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         "vllm:num_requests_waiting",
         "dynamo_component_inflight_requests",
     )
+
+    def unsupported(self) -> dict[Capability, str]:
+        gaps = super().unsupported()
+        if self.attached:
+            # The suite knows the frontend only: the mockers' system ports (their KV usage,
+            # their request counts) and event ports are a team's own.
+            why = "attached: the workers' event and system ports are not the suite's"
+            gaps |= {C.ABORT_REQUESTS: why, C.KV_EVENTS: why}
+        return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -455,10 +463,8 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
     def router_index(self) -> RouterIndex:
         return DynamoRouterIndex(self.inproc)
 
-    def replay(
-        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
-    ) -> dict[str, Any]:
-        return self.inproc("replay", trace=trace, engine_args=engine_args, mode=mode, **options)
+    def trace_replay(self) -> TraceReplay:
+        return DynamoTraceReplay(self.inproc)
 
     def inproc(self, op: str, **args: Any) -> Any:
         self.driver = live_driver(

@@ -18,15 +18,19 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvconform import envs
-from kvconform.adapters.lmcache.redis_server import REDIS_MAXMEMORY, RedisServer, redis_binary
+from kvconform.adapters.lmcache.redis_server import RedisServer, redis_binary
+from kvconform.adapters.lmcache.redis_store import REDIS_L2_CAPACITY_BYTES, RedisStore
+from kvconform.adapters.lmcache.trace_replay import LmcacheTraceReplay
 from kvconform.contract import (
     AdapterContext,
     Capability,
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    RemoteStore,
     SecondRelease,
     ServedPrompt,
+    TraceReplay,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
@@ -91,11 +95,6 @@ class LmcacheAdapter(EngineAdapter):
             C.TRACE_REPLAY,  # its cache simulator over lookup-hash logs (drivers/lmcache_simulator_driver.py)
         }
     )
-    # A shared server numbers every model's KV-event records in one sequence: attached, the
-    # gaps other models leave in ours would read as losses.
-    attach_capabilities_removed: ClassVar[frozenset[Capability]] = (
-        EngineAdapter.attach_capabilities_removed | {C.KV_EVENTS}
-    )
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
         "prefix_hits": "lmcache_mp_lookup_hit_tokens_total",
@@ -126,6 +125,14 @@ class LmcacheAdapter(EngineAdapter):
     )
     churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close", "destroy")
     health_path = "/healthcheck"
+
+    def unsupported(self) -> dict[Capability, str]:
+        gaps = super().unsupported()
+        if self.attached:
+            # One sequence numbers every model's KV-event records: the gaps other models
+            # leave in ours would read as losses.
+            gaps[C.KV_EVENTS] = "attached: a shared server's KV-event sequence is every model's"
+        return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -321,28 +328,10 @@ class LmcacheAdapter(EngineAdapter):
         self.inproc = self.simulator = None
 
     # ---- offline replay (TRACE_REPLAY) --------------------------------------------------
-    replay_modes: ClassVar[tuple[str, ...]] = ("agg",)  # one cache: no workers, clock or hand-off
+    def trace_replay(self) -> TraceReplay:
+        return LmcacheTraceReplay(self.name, self._simulator_call, self.model)
 
-    def replay(
-        self, trace: list[dict[str, Any]], engine_args: dict[str, Any], mode: str = "agg", **options: Any
-    ) -> dict[str, Any]:
-        """The trace through LMCache's cache simulator: each request becomes the lookup record
-        LMCache logs for it (its full chunks' hashes, hash_ids standing for chunk hashes; a
-        partial last chunk is never hashed), replayed through an LRU of num_gpu_blocks chunks.
-        Aggregated, one cache: the simulator has no workers, clock or disaggregation."""
-        if mode != "agg" or int(options.get("num_workers", 1)) != 1:
-            raise NotImplementedError("LMCache's simulator replays one aggregated cache (mode agg, 1 worker)")
-        chunk = int(engine_args["block_size"])
-        requests = [
-            {
-                "timestamp": float(req["timestamp"]) / 1000.0,
-                "seq_len": int(req["input_length"]),
-                "chunk_hashes": [
-                    f"0x{int(h):016x}" for h in req["hash_ids"][: int(req["input_length"]) // chunk]
-                ],
-            }
-            for req in trace
-        ]
+    def _simulator_call(self, op: str, **args: Any) -> Any:
         self.simulator = live_driver(
             self.simulator,
             lambda: DriverProcess(
@@ -353,31 +342,7 @@ class LmcacheAdapter(EngineAdapter):
                 env=LMCACHE_ENV,
             ),
         )
-        got = self.simulator.call(
-            "replay",
-            requests=requests,
-            chunk_size=chunk,
-            capacity_chunks=int(engine_args["num_gpu_blocks"]),
-            kv_bytes_per_chunk=self.model.block_bytes(chunk),
-        )
-        if got["events"] != len(trace):
-            raise EngineError(
-                self.name, f"the simulator loaded {got['events']} of {len(trace)} lookup records"
-            )
-        # Per request, the simulator's own token hit rate (hit tokens / seq_len, its primary
-        # metric) times the request's length: the hit tokens it counted.
-        rows = zip(got["timestamps"], got["token_hit_rates"], got["input_lengths"], strict=True)
-        return {
-            "requests": [
-                {
-                    "arrival_time_ms": float(ts) * 1000.0,
-                    "reused_input_tokens": round(float(rate) * int(length)),
-                    "terminal_status": "completed",
-                }
-                for ts, rate, length in rows
-            ],
-            "evictions": got["eviction_count"],
-        }
+        return self.simulator.call(op, **args)
 
     def running(self) -> bool:
         return self.server is not None and self.server.process.alive()
@@ -650,10 +615,6 @@ class LmcacheAdapter(EngineAdapter):
         shutil.rmtree(self.l2_dir(), ignore_errors=True)
 
 
-REDIS_L2_CAPACITY_BYTES = 8 * 2**20  # 32 chunks of 256 tokens: the L2 eviction check fills it twice over
-MODEL_NAME = "kvc-model"  # what our client registers; LMCache's keys start "kvc-model@"
-
-
 class LmcacheRedisAdapter(LmcacheAdapter):
     """LMCache's MP server with its RESP L2 adapter against a real redis-server the suite owns.
 
@@ -704,7 +665,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         """L1 and the Redis L2 behind it (LMCache's L2 capacity, REDIS_L2_CAPACITY_BYTES)."""
         return super().cache_capacity_tokens() + REDIS_L2_CAPACITY_BYTES // self.model.kv_bytes_per_token()
 
-    def _ensure_redis(self) -> RedisServer:
+    def ensure_redis(self) -> RedisServer:
         if self.redis is not None and not self.redis.alive():
             self.stop_remote()  # it died under us: audit what it left
         if self.redis is None:
@@ -712,7 +673,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         return self.redis
 
     def l2_adapter_spec(self, config: EngineConfig) -> dict[str, Any] | None:
-        self._ensure_redis()
+        self.ensure_redis()
         assert self.redis is not None
         return {
             "type": "resp",
@@ -737,66 +698,13 @@ class LmcacheRedisAdapter(LmcacheAdapter):
                 )
 
     # ---- the remote tier (REMOTE_TIER) ----------------------------------------------------
-    def _redis(self) -> RedisServer:
+    def running_redis(self) -> RedisServer:
         if self.redis is None or not self.redis.alive():
             raise EngineError(self.name, "the Redis L2 server is not running")
         return self.redis
 
-    def remote_entries(self) -> dict[str, int]:
-        """LMCache's keys in Redis -> the bytes each holds (STRLEN)."""
-        redis = self._redis()
-        client = redis.client()
-        try:
-            return {key: int(client.call("STRLEN", key)) for key in redis.keys(f"{MODEL_NAME}@*")}
-        finally:
-            client.close()
-
-    def remote_objects_total(self) -> int:
-        return int(self._redis().command("DBSIZE"))
-
-    def remote_memory_usage(self, key: str) -> int:
-        return int(self._redis().command("MEMORY", "USAGE", key) or 0)
-
-    def remote_read(self, key: str) -> bytes:
-        return bytes(self._redis().command("GET", key) or b"")
-
-    def remote_write(self, key: str, data: bytes) -> None:
-        self._redis().command("SET", key, data)
-
-    def remote_capacity_bytes(self) -> int:
-        return REDIS_L2_CAPACITY_BYTES
-
-    def remote_wipe(self) -> None:
-        """Out of band, with LMCache stopped: the tier starts empty (FLUSHALL)."""
-        self.stop()
-        self._ensure_redis().command("FLUSHALL")
-
-    def remote_down(self) -> TeardownReport:
-        """Chaos: the Redis server goes away under a running LMCache."""
-        return self.stop_remote()
-
-    def remote_pause_writes(self, seconds: float) -> None:
-        # CLIENT PAUSE ... WRITE (Redis >= 6.2): write commands block, reads are served
-        self._redis().command("CLIENT", "PAUSE", int(seconds * 1000), "WRITE")
-
-    def remote_refuse_writes(self, refuse: bool) -> None:
-        """Redis under `noeviction` answers every write with an OOM error once its memory is over
-        maxmemory: 1 byte refuses all, the launch value (REDIS_MAXMEMORY) restores it."""
-        value = "1" if refuse else REDIS_MAXMEMORY
-        self._redis().command("CONFIG", "SET", "maxmemory", value)
-
-    def remote_refused_writes(self) -> int:
-        """Redis's own count of OOM replies (INFO errorstats: errorstat_OOM:count=N). Redis
-        lists an error type only once it has replied with one, so no line is a true 0; no
-        Errorstats section at all (Redis < 6.2) is an error."""
-        info = self._redis().command("INFO", "errorstats")
-        text = info.decode() if isinstance(info, bytes) else str(info)
-        if "# Errorstats" not in text:
-            raise EngineError(self.name, f"redis INFO errorstats has no Errorstats section: {text[:200]!r}")
-        for line in text.splitlines():
-            if line.startswith("errorstat_OOM:"):
-                return int(line.split("count=", 1)[1].split(",", 1)[0])
-        return 0
+    def remote_tier(self) -> RemoteStore:
+        return RedisStore(self)
 
     def stop_remote(self) -> TeardownReport:
         assert self.redis is not None
@@ -807,10 +715,10 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         return report
 
     def persisted_entries(self) -> list[Path]:
-        raise NotImplementedError("lmcache-redis persists into Redis, not files: see remote_entries()")
+        raise NotImplementedError("lmcache-redis persists into Redis, not files: see remote_tier()")
 
     def persisted_sizes(self) -> dict[str, int]:
-        return self.remote_entries()
+        return self.remote_tier().entries()
 
     def describe_logs(self) -> dict[str, str]:
         logs = super().describe_logs()

@@ -134,18 +134,19 @@ class OmlxAdapter(EngineAdapter):
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
     # "unregister" path, an instance released from an engine that keeps running.
     churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
-    # Attached, the SSD tier's size is not ours to know (eviction needs launch mode), and the
-    # models are a team's own: the suite never unloads them.
-    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
-        C.FORCED_EVICTION,
-        C.INSTANCE_CHURN,
-        C.INSTANCE_REGISTRY,
-    }
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "omlx_total_prompt_tokens",
         "prefix_hits": "omlx_total_cached_tokens",
         "disk_usage_bytes": "omlx_runtime_cache_total_size_bytes",
     }
+
+    def unsupported(self) -> dict[Capability, str]:
+        gaps = super().unsupported()
+        if self.attached:
+            ssd = "attached: the SSD tier's size is not the suite's to know"
+            models = "attached: the models are a team's own; the suite never unloads them"
+            gaps |= {C.FORCED_EVICTION: ssd, C.INSTANCE_CHURN: models, C.INSTANCE_REGISTRY: models}
+        return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)

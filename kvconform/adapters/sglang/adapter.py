@@ -88,8 +88,8 @@ class SglangAdapter(EngineAdapter):
         self.cache_api = True  # the driver says at start (older releases: transfer ops only)
         self.seq = 0
 
-    def capability_gaps(self) -> dict[Capability, str]:
-        return {C.RELEASE_GUARD: RELEASE_GUARD_GAP}
+    def unsupported(self) -> dict[Capability, str]:
+        return {**super().unsupported(), C.RELEASE_GUARD: RELEASE_GUARD_GAP}
 
     @property
     def version(self) -> str:

@@ -165,10 +165,13 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     lazy_counters: ClassVar[frozenset[str]] = frozenset(
         {"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}
     )
-    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
-        C.KV_EVENTS,  # attached, the suite binds no event socket
-        C.ABORT_REQUESTS,  # its check judges the event ledger
-    }
+
+    def unsupported(self) -> dict[Capability, str]:
+        gaps = super().unsupported()
+        if self.attached:
+            gaps[C.KV_EVENTS] = "attached: the suite binds no event socket"
+            gaps[C.ABORT_REQUESTS] = "attached: its check judges the KV-event ledger"
+        return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)

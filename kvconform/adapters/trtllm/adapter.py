@@ -4,8 +4,8 @@ The adapter is version-aware: it knows which release line it speaks to (1.2.x or
 and reads only names that line serves (`Release` below). The version comes from the built
 environment in launch mode (its pinned `tensorrt-llm==` when not built yet) and from
 `GET /version` when attached (tensorrt_llm/serve/openai_server.py `version`). Capabilities
-whose data a release lacks are absent for that version (effective_capabilities), with the
-release named in `capability_gaps()`.
+whose data a release lacks are unsupported for that version, with the release named
+(`unsupported()`).
 
 What the server offers and how this adapter reads it (tensorrt_llm/serve/openai_server.py,
 tensorrt_llm/commands/serve.py):
@@ -384,8 +384,8 @@ class TrtllmAdapter(EngineAdapter):
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the adapter reads the real one from kvCacheStats.
     default_block_size = 32
-    # Every capability some release backs; effective_capabilities() keeps those the release
-    # this instance speaks to can back (Release.gaps), less the attach-mode ones.
+    # Every capability some release backs; unsupported() names those the release this
+    # instance speaks to cannot back (Release.gaps), besides the attach-mode ones.
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,  # usage.prompt_tokens_details.cached_tokens, 1.2.x and 1.3
@@ -463,14 +463,14 @@ class TrtllmAdapter(EngineAdapter):
     def metric_names(self) -> dict[str, str]:  # type: ignore[override]
         return dict(self.release().metric_names)
 
-    def capability_gaps(self) -> dict[Capability, str]:
-        """Capabilities the class offers that this instance's release cannot back, with why
-        (the release named): the skip reason for checks that need them."""
+    def unsupported(self) -> dict[Capability, str]:
+        """Besides attach mode's: capabilities the class offers that this instance's release
+        cannot back, with why (the release named)."""
         label = self.release_label()
-        return {cap: f"{label}: {why}" for cap, why in self.release().gaps.items()}
-
-    def effective_capabilities(self) -> frozenset[Capability]:
-        return super().effective_capabilities() - frozenset(self.release().gaps)
+        return {
+            **super().unsupported(),
+            **{cap: f"{label}: {why}" for cap, why in self.release().gaps.items()},
+        }
 
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
         """Only names the release exports; an exported name missing from the scrape is an

@@ -155,18 +155,24 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
     # A reset asks vLLM to reset the connector's cache too (`reset_external=true`): the offload
     # tier is vLLM's own and stays, a connector's store is the prefix cache of the stack.
     reset_external: ClassVar[bool] = False
-    # Attached, the suite neither binds the server's event sockets nor configures its
-    # offload tier: those checks need launch mode.
-    attach_capabilities_removed = EngineAdapter.attach_capabilities_removed | {
-        C.KV_EVENTS,
-        C.TIERED_STORE_METRICS,  # the fs tier is the suite's (persistent_args)
-        C.RELEASE_GUARD,  # judges the vLLM installed here, not the attached server's
-        C.DISAGG_SERVING,  # the suite launches the decode instance beside its prefill
-        C.TRANSFER_ACCOUNTING,  # likewise, its NIXL pair
-        C.OFFLOAD_GAUGES,
-        C.OFFLOAD_HOST_HITS,
-        C.OFFLOAD_STORE_THRESHOLD,
-    }
+
+    def unsupported(self) -> dict[Capability, str]:
+        gaps = super().unsupported()
+        if self.attached:
+            sockets = "attached: the suite binds none of the server's event sockets"
+            tier = "attached: the offload tier is configured at launch, by the suite"
+            pair = "attached: the suite launches the decode instance beside its prefill"
+            gaps |= {
+                C.KV_EVENTS: sockets,
+                C.TIERED_STORE_METRICS: tier,  # the fs tier is the suite's (persistent_args)
+                C.OFFLOAD_GAUGES: tier,
+                C.OFFLOAD_HOST_HITS: tier,
+                C.OFFLOAD_STORE_THRESHOLD: tier,
+                C.RELEASE_GUARD: "attached: it judges the vLLM installed here, not the server's",
+                C.DISAGG_SERVING: pair,
+                C.TRANSFER_ACCOUNTING: pair,  # its NIXL pair
+            }
+        return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)

@@ -5,13 +5,7 @@ requests are still served, in time.
 What the store holds is read with the suite's own client (object count and bytes of the
 engine's keys); what it should hold comes from the model shape (chunks x chunk bytes).
 
-An adapter declaring remote_tier provides, besides remote_entries() (see
-prefix_reuse/test_remote_tier.py): remote_objects_total() (every object in the store, the
-engine's or not), remote_memory_usage(key), remote_capacity_bytes() (the L2 capacity the
-adapter configured), remote_wipe() (engine stopped, store emptied out of band),
-remote_down() (the remote server is stopped under a running engine; its teardown report), and
-for the write-pending check remote_pause_writes(s), remote_refuse_writes(on) and
-remote_refused_writes() (the store's own count of writes it refused).
+The store is the adapter's remote_tier() (kvconform.contract.RemoteStore).
 """
 
 from __future__ import annotations
@@ -41,7 +35,7 @@ FRESH_PROMPTS = 2  # prompts stored once it takes writes again
 
 
 def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
-    engine.remote_wipe()
+    engine.remote_tier().wipe()
     engine.ensure(PERSISTENT)
     block = engine.block_size()
     chunk_bytes = engine.offload_block_bytes()
@@ -50,7 +44,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
     engine.flush_persistent()
     after = engine.metrics()
-    entries = engine.remote_entries()
+    entries = engine.remote_tier().entries()
     held = sum(entries.values())
     verdict.equal("remote_objects", len(entries), chunks, "objects", note="one object per whole chunk")
     verdict.equal(
@@ -58,7 +52,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     )
     verdict.equal(
         "remote_foreign_objects",
-        engine.remote_objects_total() - len(entries),
+        engine.remote_tier().objects_total() - len(entries),
         0,
         "objects",
         note="the store holds nothing but the engine's entries",
@@ -70,14 +64,14 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
         "objects",
     )
     verdict.equal("l2_usage_bytes", engine.metric("l2_usage_bytes", after), held, "bytes")
-    overhead = [engine.remote_memory_usage(k) - n for k, n in entries.items()]
+    overhead = [engine.remote_tier().memory_usage(k) - n for k, n in entries.items()]
     verdict.record("remote_memory_overhead_per_object", max(overhead, default=0), "bytes")
     engine.restart()
     restarted = engine.metrics()
     verdict.equal(
         "l2_usage_bytes_after_restart",
         engine.metric("l2_usage_bytes", restarted),
-        sum(engine.remote_entries().values()),
+        sum(engine.remote_tier().entries().values()),
         "bytes",
         note="the restarted engine serves hits from these bytes, so its usage gauge must count them",
     )
@@ -90,10 +84,10 @@ def settled_entries(
     """The engine's remote entries once they stop changing for quiet_s (background eviction
     runs periodically); after timeout_s, whatever is there."""
     t0 = time.monotonic()
-    last, since = engine.remote_entries(), time.monotonic()
+    last, since = engine.remote_tier().entries(), time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         time.sleep(0.5)
-        now = engine.remote_entries()
+        now = engine.remote_tier().entries()
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -104,18 +98,18 @@ def settled_entries(
 def test_remote_tier_eviction_within_capacity(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.remote_wipe()
+    engine.remote_tier().wipe()
     engine.ensure(PERSISTENT)
     block = engine.block_size()
     chunk_bytes = engine.offload_block_bytes()
-    capacity = engine.remote_capacity_bytes()
+    capacity = engine.remote_tier().capacity_bytes()
     per_prompt = 8
     prompts_needed = 2 * capacity // (per_prompt * chunk_bytes)
     peak = 0
     for _ in range(prompts_needed):
         engine.serve_prompt(prompts.fresh(per_prompt * block))
         engine.flush_persistent()
-        peak = max(peak, sum(engine.remote_entries().values()))
+        peak = max(peak, sum(engine.remote_tier().entries().values()))
     engine.flush_persistent()
     entries, settled_after = settled_entries(engine)
     held = sum(entries.values())
@@ -135,7 +129,7 @@ def test_remote_tier_eviction_within_capacity(
         "bytes",
         note="after eviction the gauge and the store agree",
     )
-    verdict.equal("remote_foreign_objects", engine.remote_objects_total() - len(entries), 0, "objects")
+    verdict.equal("remote_foreign_objects", engine.remote_tier().objects_total() - len(entries), 0, "objects")
     verdict.conclude()
 
 
@@ -145,7 +139,7 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
     stored = prompts.fresh(4 * block + 1)
     cold = engine.serve_prompt(stored)
     engine.flush_persistent()
-    report = engine.remote_down()
+    report = engine.remote_tier().down()
     verdict.expect("remote_teardown_leftovers", int(not report.clean), "==", 0, note=report.describe())
     outcomes: dict[str, tuple[str, ServedPrompt | str]] = {}
     for label, tokens in (("fresh", prompts.fresh(4 * block + 1)), ("stored", stored)):
@@ -226,7 +220,7 @@ def test_remote_store_counters_track_pending_writes(
     Several prompts are refused and several stored afterwards, as under a store that is full for
     a while: an engine spreads its stores over several connections, and a fault that breaks only
     the connections a refusal reached shows on all of them only once each has been refused."""
-    engine.remote_wipe()
+    engine.remote_tier().wipe()
     engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
     block = engine.block_size()
     chunk_bytes = engine.offload_block_bytes()
@@ -234,7 +228,7 @@ def test_remote_store_counters_track_pending_writes(
     names = engine.metric_names
     l1_before = engine.metric("l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
 
-    engine.remote_pause_writes(PAUSE_S)
+    engine.remote_tier().pause_writes(PAUSE_S)
     paused_until = time.monotonic() + PAUSE_S
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
     seen: list[float] = []
@@ -251,28 +245,28 @@ def test_remote_store_counters_track_pending_writes(
         note=f"the store held every write for {PAUSE_S:.0f} s: all {chunks} chunks are in flight",
     )
     landed_after = seconds_until_steady(
-        lambda: len(engine.remote_entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
+        lambda: len(engine.remote_tier().entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
     )
     verdict.record("remote_objects_landed_after_s", landed_after, "s")
-    verdict.equal("remote_objects_after_pause", len(engine.remote_entries()), chunks, "objects")
+    verdict.equal("remote_objects_after_pause", len(engine.remote_tier().entries()), chunks, "objects")
     pending_before_refusals = pending_objects(engine)
     tasks_before_refusals = pending_tasks(engine) if "l2_store_submitted_requests" in names else 0.0
     verdict.equal("l2_pending_objects_after_pause", pending_before_refusals, 0, "objects")
 
-    refused_before = engine.remote_refused_writes()
+    refused_before = engine.remote_tier().refused_writes()
     refused = prompts.fresh(chunks * block + block // 3)
-    engine.remote_refuse_writes(True)
+    engine.remote_tier().refuse_writes(True)
     try:
         cold = engine.serve_prompt(refused)
         for _ in range(REFUSED_PROMPTS - 1):
             engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
         refused_after = seconds_until_steady(
-            lambda: engine.remote_refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
+            lambda: engine.remote_tier().refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
         )
     finally:
-        engine.remote_refuse_writes(False)
+        engine.remote_tier().refuse_writes(False)
     verdict.record("remote_refusals_after_s", refused_after, "s")
-    refused_total = engine.remote_refused_writes()
+    refused_total = engine.remote_tier().refused_writes()
     verdict.expect(
         "remote_refused_writes",
         refused_total - refused_before,
@@ -312,7 +306,7 @@ def test_remote_store_counters_track_pending_writes(
     if "l2_usage_bytes" in names:
         verdict.equal(
             "l2_usage_bytes_vs_remote_after_failed_stores",
-            engine.metric("l2_usage_bytes", engine.metrics()) - sum(engine.remote_entries().values()),
+            engine.metric("l2_usage_bytes", engine.metrics()) - sum(engine.remote_tier().entries().values()),
             0,
             "bytes",
             note="the usage gauge counts what the remote store holds: a refused write adds nothing",
@@ -337,7 +331,7 @@ def test_remote_store_counters_track_pending_writes(
     # Fresh prompts, not the refused ones: L2 is written behind L1 and a chunk still resident in
     # L1 is not stored again (LMCache 0.5.6 L1Manager.reserve_write -> KEY_NOT_WRITABLE), so
     # only new chunks show whether the tier takes writes again.
-    held_before_again = len(engine.remote_entries())
+    held_before_again = len(engine.remote_tier().entries())
     snap_before_again = engine.metrics()
     completed_before_again = engine.metric("l2_store_completed", snap_before_again)
     submitted_before_again = engine.metric("l2_store_submitted", snap_before_again)
@@ -363,7 +357,7 @@ def test_remote_store_counters_track_pending_writes(
     )
     verdict.record(
         "remote_objects_after_refusals_end",
-        len(engine.remote_entries()) - held_before_again,
+        len(engine.remote_tier().entries()) - held_before_again,
         "objects",
         note=f"of {fresh}; recorded: a client that misreads the store's replies can still send "
         "a write the store keeps (how many depends on how the engine batches its stores), so "
@@ -371,7 +365,7 @@ def test_remote_store_counters_track_pending_writes(
     )
     verdict.record(
         "remote_refused_writes_after_refusals_end",
-        engine.remote_refused_writes() - refused_total,
+        engine.remote_tier().refused_writes() - refused_total,
         "writes",
         note="counted by the store: 0 means it refused nothing more",
     )

@@ -6,8 +6,7 @@ engine is stopped (the remote server keeps running: that is what a remote tier i
 no hit may be counted for the damaged prompt and its output must equal a cold run's; a second
 prompt whose entries were left intact must still be a full hit with the bytes it stored.
 
-An adapter declaring remote_tier provides: remote_entries() -> {key: stored bytes} of the
-engine's own keys, remote_read(key) -> bytes, remote_write(key, bytes).
+The store is the adapter's remote_tier() (kvconform.contract.RemoteStore).
 """
 
 from __future__ import annotations
@@ -44,17 +43,17 @@ def test_remote_damaged_entry_recomputed(
     intact = prompts.fresh(4 * block + 1)
     intact_cold = engine.serve_prompt(intact)
     engine.flush_persistent()
-    kept = set(engine.remote_entries())
+    kept = set(engine.remote_tier().entries())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt)
     engine.flush_persistent()
     engine.stop()  # the engine is gone before its entries are touched; the remote store is not
-    targets = sorted(set(engine.remote_entries()) - kept)
+    targets = sorted(set(engine.remote_tier().entries()) - kept)
     verdict.require(
         "entries_damaged", len(targets), ">=", 1, note="the prompt must have reached the remote tier"
     )
     for key in targets:
-        engine.remote_write(key, damaged(engine.remote_read(key), damage))
+        engine.remote_tier().write(key, damaged(engine.remote_tier().read(key), damage))
     engine.ensure(PERSISTENT)
     warm = engine.serve_prompt(prompt)
     verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
