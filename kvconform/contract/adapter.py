@@ -22,7 +22,14 @@ import requests
 
 from kvconform import envs, timing
 from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
-from kvconform.contract.facets import ActiveBlockTracker, RadixCache, RemoteStore, RouterIndex, TraceReplay
+from kvconform.contract.facets import (
+    ActiveBlockTracker,
+    KvTransfer,
+    RadixCache,
+    RemoteStore,
+    RouterIndex,
+    TraceReplay,
+)
 from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
@@ -32,7 +39,6 @@ from kvconform.contract.types import (
     ReleaseTwice,
     SecondRelease,
     ServedPrompt,
-    TransferResult,
 )
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
@@ -507,20 +513,8 @@ class EngineAdapter(ABC):
         return self.model.block_bytes(self.block_size())
 
     # ---- transfer (TRANSFER_ACCOUNTING, PAGE_INDEX, RELEASE_GUARD) ---------------------
-    transfer_layouts: ClassVar[tuple[str, ...]] = ()
-    transfer_page_sizes: ClassVar[tuple[int, ...]] = ()
-    transfer_destinations: ClassVar[tuple[int, ...]] = (1, 4)  # decode ranks a transfer can fan out to
-    transfer_aborts: ClassVar[bool] = False  # transfer(abort_after_pages=...) cuts a transfer mid-way
-
-    def transfer(
-        self,
-        tokens: list[int],
-        layout: str,
-        page_size: int,
-        destinations: int,
-        abort_after_pages: int | None = None,
-    ) -> TransferResult:
-        """Prefill `tokens` and transfer their KV to `destinations` decode ranks."""
+    def kv_transfer(self) -> KvTransfer:
+        """The engine's KV hand-off from a prefill to decode ranks."""
         raise NotImplementedError
 
     def release_twice(self, tokens: list[int]) -> ReleaseTwice:

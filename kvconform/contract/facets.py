@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from kvconform.contract.types import TransferResult
 from kvconform.processes import TeardownReport
 
 
@@ -288,3 +289,25 @@ class RemoteStore(ABC):
     @abstractmethod
     def refused_writes(self) -> int:
         """The store's own count of writes it refused."""
+
+
+class KvTransfer(ABC):
+    """A prefill's KV handed to decode ranks (TRANSFER_ACCOUNTING, PAGE_INDEX): the pages it
+    sent and the bytes each side counted. The class attributes say which transfers the engine
+    makes; a check asking for another is skipped, naming it."""
+
+    layouts: tuple[str, ...] = ("mha",)  # KV layouts (kvconform.oracles.KvLayout values)
+    page_sizes: tuple[int, ...] = ()
+    destinations: tuple[int, ...] = (1, 4)  # decode ranks one transfer can fan out to
+    aborts: bool = False  # transfer(abort_after_pages=...) cuts a transfer mid-way
+
+    @abstractmethod
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        """Prefill `tokens` and transfer their KV to `destinations` decode ranks."""

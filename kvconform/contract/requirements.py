@@ -27,8 +27,8 @@ METHODS: dict[C, tuple[str, ...]] = {
     # l1_capacity_bytes too, but only where the engine reports an L1 usage ratio to judge it by
     C.TIERED_STORE_METRICS: ("metrics",),
     C.BLOCK_POOL_STATS: ("block_pool_stats",),
-    C.TRANSFER_ACCOUNTING: ("transfer",),
-    C.PAGE_INDEX: ("transfer",),
+    C.TRANSFER_ACCOUNTING: ("kv_transfer",),
+    C.PAGE_INDEX: ("kv_transfer",),
     C.RELEASE_GUARD: ("release_twice",),
     C.BLOCK_TRACKER: ("block_tracker",),
     C.RADIX_INDEX: ("router_index",),

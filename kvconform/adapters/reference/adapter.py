@@ -22,6 +22,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    KvTransfer,
     ModelShape,
     ReleaseTwice,
     SecondRelease,
@@ -435,38 +436,8 @@ class ReferenceAdapter(EngineAdapter):
             self._decode_url = url
         return self._decode_url
 
-    transfer_layouts: ClassVar[tuple[str, ...]] = ("mha", "mla", "mla_state")
-    transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16, 32)
-    transfer_aborts = True
-
-    def transfer(
-        self,
-        tokens: list[int],
-        layout: str,
-        page_size: int,
-        destinations: int,
-        abort_after_pages: int | None = None,
-    ) -> TransferResult:
-        receiver = self.ensure_decode_instance()
-        result = self.post_json(
-            "/transfer/send",
-            {
-                "prompt": tokens,
-                "receiver": receiver,
-                "page_size": page_size,
-                "layout": layout,
-                "destinations": destinations,
-                "abort_after_pages": abort_after_pages,
-            },
-        )
-        received = self.http.get(f"{receiver}/transfer/received/{result['transfer_id']}", timeout=10)
-        return TransferResult(
-            kv_indices=result["kv_indices"],
-            page_indices=result["page_indices"],
-            bytes_sent=result["bytes_counted"],
-            bytes_received=received.json()["bytes"] if received.status_code == 200 else 0,
-            detail={"aborted": result["aborted"]},
-        )
+    def kv_transfer(self) -> KvTransfer:
+        return ReferenceTransfer(self)
 
     def block_pool_stats(self) -> list[BlockPoolStats]:
         return [
@@ -533,3 +504,43 @@ def _torch_cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+class ReferenceTransfer(KvTransfer):
+    """The reference engine's /transfer/send to its decode instance, which counts what arrived."""
+
+    layouts = ("mha", "mla", "mla_state")
+    page_sizes = (1, 4, 16, 32)
+    aborts = True
+
+    def __init__(self, adapter: ReferenceAdapter) -> None:
+        self.adapter = adapter
+
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        receiver = self.adapter.ensure_decode_instance()
+        result = self.adapter.post_json(
+            "/transfer/send",
+            {
+                "prompt": tokens,
+                "receiver": receiver,
+                "page_size": page_size,
+                "layout": layout,
+                "destinations": destinations,
+                "abort_after_pages": abort_after_pages,
+            },
+        )
+        received = self.adapter.http.get(f"{receiver}/transfer/received/{result['transfer_id']}", timeout=10)
+        return TransferResult(
+            kv_indices=result["kv_indices"],
+            page_indices=result["page_indices"],
+            bytes_sent=result["bytes_counted"],
+            bytes_received=received.json()["bytes"] if received.status_code == 200 else 0,
+            detail={"aborted": result["aborted"]},
+        )

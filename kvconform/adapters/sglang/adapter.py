@@ -10,20 +10,21 @@ CommonKVSender.get_transfer_metric. SGLang's HTTP server is another adapter,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from kvconform import envs
 from kvconform.adapters.sglang.common import MODEL
 from kvconform.adapters.sglang.radix_client import SglangRadixCache
+from kvconform.adapters.sglang.transfer import SglangTransfer
 from kvconform.contract import (
     AdapterContext,
     Capability,
     EngineAdapter,
     EngineConfig,
+    KvTransfer,
     ModelShape,
     RadixCache,
     ServedPrompt,
-    TransferResult,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, Kind, KvEvent, hash_text
@@ -77,8 +78,6 @@ class SglangAdapter(EngineAdapter):
     default_block_size = 16  # SGLang's page size
     model: ModelShape = MODEL
     capabilities = INPROCESS_CAPABILITIES
-    transfer_layouts: ClassVar[tuple[str, ...]] = ("mha", "mla", "mla_state")
-    transfer_page_sizes: ClassVar[tuple[int, ...]] = (1, 4, 16)
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -234,73 +233,8 @@ class SglangAdapter(EngineAdapter):
         return SglangRadixCache(self.call)
 
     # ---- transfer -------------------------------------------------------------------------
-    def transfer(
-        self,
-        tokens: list[int],
-        layout: str,
-        page_size: int,
-        destinations: int,
-        abort_after_pages: int | None = None,
-    ) -> TransferResult:
-        """KV indices from a real allocation at `page_size`; bytes sent from SGLang's own
-        sender bookkeeping and get_transfer_metric; bytes received counted by us in the decode
-        pools SGLang's Mooncake send_kvcache wrote into (the transfer engine is a memmove in the
-        driver, sglang_receiver.py).
-
-        Receivers: MLA KV is whole on every decode rank, so each destination is one more
-        receiver of the full pages; MHA splits heads across ranks, so one rank's pool receives
-        one rank's pages. The state components of mla_state are not sent into a receiver
-        (their path, maybe_send_extra, needs the decode's registration): None there."""
-        if abort_after_pages is not None:
-            raise NotImplementedError("SGLang in-process has no transfer to abort")
-        previous = self.config or EngineConfig()
-        m = self.model
-        pool = {
-            "kind": "mha" if layout == "mha" else "mla",
-            "page_size": page_size,
-            "layer_num": m.layers,
-            "head_num": m.kv_heads,
-            "head_dim": m.head_dim,
-            "kv_lora_rank": m.latent_dim - 64,
-            "qk_rope_head_dim": 64,
-            "dtype": "bfloat16",
-        }
-        if self.cache_api:
-            self.new_cache(page_size)
-        try:
-            if self.cache_api:
-                kv_indices = self.call("insert", token_ids=tokens)["kv_indices"]
-            else:  # a release older than the cache ops: the allocator alone, as for a request without prefix
-                kv_indices = self.call("alloc_kv", num_tokens=len(tokens), pool=pool)["kv_indices"]
-            state = layout == "mla_state"
-            result = self.call(
-                "transfer_bytes",
-                kv_indices=kv_indices,
-                page_size=page_size,
-                pool=pool,
-                # one index per state component, components of different sizes (SGLang #40164)
-                state_indices=[[0] for _ in m.state_components] if state else None,
-                state_item_lens=[[item] * m.layers for item in m.state_components] if state else None,
-                is_mla=layout != "mha",
-                required_dst_info_num=destinations,
-                receivers={"mha": 1, "mla": destinations}.get(layout, 0),
-            )
-        finally:
-            if self.cache_api:
-                self.new_cache(previous.block_size or self.default_block_size)
-        return TransferResult(
-            kv_indices=kv_indices,
-            page_indices=result["page_indices"],
-            bytes_sent=int(result["transfer_total_bytes"]),
-            bytes_received=result.get("bytes_received"),
-            state_indices=int(result["num_state_indices_recorded"]),
-            detail={
-                "replica_factor": result["replica_factor"],
-                "kv_item_lens_sum": result["kv_item_lens_sum"],
-                "bytes_outside_receiver": result.get("bytes_outside_receiver"),
-                "send_status": result.get("send_status"),
-            },
-        )
+    def kv_transfer(self) -> KvTransfer:
+        return SglangTransfer(self)
 
     def log_tail(self, lines: int = 40) -> str:
         return self.driver.log_tail(lines) if self.driver else ""

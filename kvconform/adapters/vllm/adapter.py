@@ -122,16 +122,12 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             C.CORRUPT_PERSISTED,
             C.TIERED_STORE_METRICS,  # the fs tier's written bytes (vllm/v1/kv_offload/tiering/metrics.py)
             C.DISAGG_SERVING,  # a prefill and a decode server, vLLM's shared-storage connector (disagg.py)
-            C.TRANSFER_ACCOUNTING,  # the same pair joined by NixlConnector (disagg.py transfer)
+            C.TRANSFER_ACCOUNTING,  # the same pair joined by NixlConnector (disagg.py NixlPull)
         }
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
     # read_usage = max(usage - write_usage, 0.0)
     read_gauge_is_usage_minus_write = True
-    # NIXL pulls an MHA model's whole blocks, prefill to one decode instance (disagg.py)
-    transfer_layouts: ClassVar[tuple[str, ...]] = ("mha",)
-    transfer_page_sizes: ClassVar[tuple[int, ...]] = (default_block_size,)
-    transfer_destinations: ClassVar[tuple[int, ...]] = (1,)
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "vllm:prefix_cache_queries_total",
         "prefix_hits": "vllm:prefix_cache_hits_total",

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconform.contract import EngineConfig, ServedPrompt, TransferResult
+from kvconform.contract import EngineConfig, KvTransfer, ServedPrompt, TransferResult
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
@@ -149,53 +149,8 @@ class DisaggregatedPair(_Base):
     def _decode_external_hits(self) -> float:
         return self._decode_scrape(EXTERNAL_HITS).value(EXTERNAL_HITS)
 
-    def transfer(
-        self,
-        tokens: list[int],
-        layout: str,
-        page_size: int,
-        destinations: int,
-        abort_after_pages: int | None = None,
-    ) -> TransferResult:
-        """One prompt through the NIXL pair: bytes received are what the decode's NIXL
-        telemetry counted for this request's pull (vLLM counts no sender bytes in pull mode);
-        page indices are the prefill's block ids it handed over."""
-        if abort_after_pages is not None or layout != "mha" or destinations != 1:
-            raise NotImplementedError(f"{self.name}: one MHA pull to one decode instance, whole")
-        if page_size != self.block_size():
-            raise NotImplementedError(f"{self.name} transfers whole blocks of {self.block_size()} tokens")
-        self.ensure(EngineConfig(disaggregated=True, kv_transfer=True))
-        before = self._decode_scrape(*NIXL_READ)
-        prefill, params, decode = self._pull_through_pair(tokens, 1)
-        after = self._decode_scrape(*NIXL_READ)
-        deadline = time.monotonic() + NIXL_STATS_WAIT_S
-        while after.value(NIXL_TRANSFERS) <= before.value(NIXL_TRANSFERS) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            after = self._decode_scrape(*NIXL_READ)
-        transfers = after.delta(before, NIXL_TRANSFERS)
-        failed = after.delta(before, NIXL_FAILED)
-        if transfers < 1 and failed < 1:
-            raise EngineError(
-                self.name,
-                f"the decode instance recorded no NIXL transfer within {NIXL_STATS_WAIT_S:.0f} s of "
-                f"the request (it served {decode.prompt_tokens} prompt tokens, "
-                f"{decode.source.get('handoff')} loaded through its connector)",
-                self._decode_log_tail(),
-            )
-        block_ids = params.get("remote_block_ids") or [[]]
-        return TransferResult(
-            kv_indices=[],
-            page_indices=[int(b) for b in block_ids[0]],
-            bytes_sent=None,
-            bytes_received=round(after.delta(before, NIXL_BYTES)),
-            detail={
-                "transfers": round(transfers),
-                "failed_transfers": round(failed),
-                "descriptors": round(after.delta(before, NIXL_DESCRIPTORS)),
-                "decode_loaded_tokens": decode.source.get("handoff", 0),
-                "prefill_cached_tokens": prefill.cached_tokens,
-            },
-        )
+    def kv_transfer(self) -> KvTransfer:
+        return NixlPull(self)
 
     def _pull_through_pair(
         self, tokens: list[int], max_tokens: int
@@ -229,6 +184,67 @@ class DisaggregatedPair(_Base):
 
     def _decode_log_tail(self) -> str:
         return self.decode_server.log_tail(40) if self.decode_server is not None else ""
+
+
+class NixlPull(KvTransfer):
+    """The NIXL pair's pull: an MHA model's whole blocks, prefill to one decode instance."""
+
+    layouts = ("mha",)
+    destinations = (1,)
+
+    def __init__(self, pair: DisaggregatedPair) -> None:
+        self.pair = pair
+        self.page_sizes = (pair.default_block_size,)
+
+    def transfer(
+        self,
+        tokens: list[int],
+        layout: str,
+        page_size: int,
+        destinations: int,
+        abort_after_pages: int | None = None,
+    ) -> TransferResult:
+        """One prompt through the NIXL pair: bytes received are what the decode's NIXL
+        telemetry counted for this request's pull (vLLM counts no sender bytes in pull mode);
+        page indices are the prefill's block ids it handed over."""
+        if abort_after_pages is not None or layout != "mha" or destinations != 1:
+            raise NotImplementedError(f"{self.pair.name}: one MHA pull to one decode instance, whole")
+        if page_size != self.pair.block_size():
+            raise NotImplementedError(
+                f"{self.pair.name} transfers whole blocks of {self.pair.block_size()} tokens"
+            )
+        self.pair.ensure(EngineConfig(disaggregated=True, kv_transfer=True))
+        before = self.pair._decode_scrape(*NIXL_READ)
+        prefill, params, decode = self.pair._pull_through_pair(tokens, 1)
+        after = self.pair._decode_scrape(*NIXL_READ)
+        deadline = time.monotonic() + NIXL_STATS_WAIT_S
+        while after.value(NIXL_TRANSFERS) <= before.value(NIXL_TRANSFERS) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            after = self.pair._decode_scrape(*NIXL_READ)
+        transfers = after.delta(before, NIXL_TRANSFERS)
+        failed = after.delta(before, NIXL_FAILED)
+        if transfers < 1 and failed < 1:
+            raise EngineError(
+                self.pair.name,
+                f"the decode instance recorded no NIXL transfer within {NIXL_STATS_WAIT_S:.0f} s of "
+                f"the request (it served {decode.prompt_tokens} prompt tokens, "
+                f"{decode.source.get('handoff')} loaded through its connector)",
+                self.pair._decode_log_tail(),
+            )
+        block_ids = params.get("remote_block_ids") or [[]]
+        return TransferResult(
+            kv_indices=[],
+            page_indices=[int(b) for b in block_ids[0]],
+            bytes_sent=None,
+            bytes_received=round(after.delta(before, NIXL_BYTES)),
+            detail={
+                "transfers": round(transfers),
+                "failed_transfers": round(failed),
+                "descriptors": round(after.delta(before, NIXL_DESCRIPTORS)),
+                "decode_loaded_tokens": decode.source.get("handoff", 0),
+                "prefill_cached_tokens": prefill.cached_tokens,
+            },
+        )
 
 
 def side_channel(env: dict[str, str]) -> dict[str, str]:

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer
 from kvconform.oracles import KvLayout, page_indices, transfer_bytes
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -22,13 +22,16 @@ LAYOUTS = [("mha", 1), ("mha", 4), ("mla", 1), ("mla", 4), ("mla_state", 4)]
 PAGE_SIZES = [1, 4, 16, 32]
 
 
-def _supported(engine: EngineAdapter, layout: str, page_size: int, destinations: int = 1) -> None:
-    if layout not in engine.transfer_layouts:
+def _transfer(engine: EngineAdapter, layout: str | None, page_size: int, destinations: int = 1) -> KvTransfer:
+    """The engine's transfer facet, or a skip naming the shape it does not transfer."""
+    transfer = engine.kv_transfer()
+    if layout is not None and layout not in transfer.layouts:
         pytest.skip(f"engine {engine.name} has no {layout} transfer layout")
-    if page_size not in engine.transfer_page_sizes:
+    if page_size not in transfer.page_sizes:
         pytest.skip(f"engine {engine.name} does not transfer with page size {page_size}")
-    if destinations not in engine.transfer_destinations:
+    if destinations not in transfer.destinations:
         pytest.skip(f"engine {engine.name} does not transfer to {destinations} decode ranks")
+    return transfer
 
 
 @pytest.mark.requires(C.TRANSFER_ACCOUNTING)
@@ -42,10 +45,10 @@ def test_transfer_bytes_reconcile(
     prompts: PromptFactory,
     verdict: Verdict,
 ) -> None:
-    _supported(engine, layout, page_size, destinations)
+    transfer = _transfer(engine, layout, page_size, destinations)
     engine.ensure(EngineConfig())
     tokens = prompts.fresh(3 * 16 + 5)
-    result = engine.transfer(tokens, layout, page_size, destinations)
+    result = transfer.transfer(tokens, layout, page_size, destinations)
     kv_layout = KvLayout(layout)
     pages = math.ceil(len(tokens) / page_size)
     page_bytes = engine.model.page_bytes(kv_layout, page_size)
@@ -85,10 +88,10 @@ def test_page_indices_match_oracle(
     engine: EngineAdapter, page_size: int, prompts: PromptFactory, verdict: Verdict
 ) -> None:
     """Page indices = the pages the request's KV slots touch, in order (SGLang #31173)."""
-    _supported(engine, engine.transfer_layouts[0] if engine.transfer_layouts else "mha", page_size)
+    transfer = _transfer(engine, None, page_size)
     engine.ensure(EngineConfig())
     tokens = prompts.fresh(2 * 16 + 7)
-    result = engine.transfer(tokens, engine.transfer_layouts[0], page_size, 1)
+    result = transfer.transfer(tokens, transfer.layouts[0], page_size, 1)
     expected = page_indices(result.kv_indices, page_size)
     wrong = [i for i, (a, b) in enumerate(zip(result.page_indices, expected, strict=False)) if a != b]
     verdict.record("kv_indices", len(result.kv_indices))

@@ -217,8 +217,8 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
                 "requests",
                 note=f"read until 0, up to {settle_s:.1f} s after the cuts ({ABORT_MAX_TOKENS} tokens each)",
             )
-    if has(C.TRANSFER_ACCOUNTING) and engine.transfer_aborts:
-        engine.transfer(prompts.fresh(4 * block + 1), engine.transfer_layouts[0], 1, 1, abort_after_pages=3)
+    if has(C.TRANSFER_ACCOUNTING) and (transfer := engine.kv_transfer()).aborts:
+        transfer.transfer(prompts.fresh(4 * block + 1), transfer.layouts[0], 1, 1, abort_after_pages=3)
     if "kv_usage" in engine.metric_names:
         t0 = time.monotonic()
         deadline = t0 + IDLE_BOUND_S + engine.idle_gauge_refresh_s
