@@ -14,6 +14,7 @@ import ctypes
 import fcntl
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +33,10 @@ from kvconform.errors import EngineStartError
 from kvconform.memory import shm_held_by
 
 SHM_DIR = Path("/dev/shm")
+# An engine's error line, as its logger writes it (vLLM, SGLang and LMCache log "ERROR"; Python
+# starts a traceback so), looked for in the lines just above a log tail.
+ERROR_LINE = re.compile(r"\bERROR\b|^Traceback \(most recent call last\)")
+ERROR_LOOKBACK_LINES = 200
 # How long a /dev/shm file no process of this tree was seen holding may take to go away on its
 # own before it counts as this tree's leftover (a resource tracker unlinks within ~0.1 s).
 SHM_SETTLE_S = 3.0
@@ -179,13 +184,20 @@ class EngineProcess:
         return self.popen.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` of the log; where an error line precedes them closely (a crash
+        whose traceback fills the tail), the earliest such line first: what died, and why."""
         try:
             if not self._log.closed:  # stop() closes it; the tail is still on disk
                 self._log.flush()
             data = self.log_path.read_bytes()[-64_000:]
         except OSError:
             return ""
-        return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+        text = data.decode("utf-8", "replace").splitlines()
+        tail, before = text[-lines:], text[:-lines][-ERROR_LOOKBACK_LINES:]
+        first_error = next((line for line in before if ERROR_LINE.search(line)), None)
+        if first_error is None:
+            return "\n".join(tail)
+        return "\n".join([f"[first error line before the tail] {first_error}", "[...]", *tail])
 
     def refresh_tree(self) -> list[psutil.Process]:
         """Every live process of this engine: the group, plus descendants that left it."""

@@ -139,9 +139,7 @@ class DisaggregatedPair(_Base):
         prefill = self.openai_completion(tokens, 1, return_token_ids=True)
         before = self._decode_external_hits()
         body: dict[str, Any] = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
-        decode = self.served_from_openai(
-            self.post_json("/v1/completions", body, base=self.decode_url), tokens
-        )
+        decode = self.served_from_openai(self._decode_post(body), tokens)
         handoff = self._decode_external_hits() - before
         source = {"handoff": round(handoff)}
         return ServedPrompt(decode.prompt_tokens, prefill.cached_tokens, decode.output, source)
@@ -168,10 +166,17 @@ class DisaggregatedPair(_Base):
         before = self._decode_external_hits()
         body = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
         body["kv_transfer_params"] = params
-        answer = self.post_json("/v1/completions", body, base=self.decode_url)
+        answer = self._decode_post(body)
         decode = self.served_from_openai(answer, tokens)
         decode.source["handoff"] = round(self._decode_external_hits() - before)
         return prefill, params, decode
+
+    def _decode_post(self, body: dict[str, Any]) -> Any:
+        """A completion from the decode instance; its failure names the decode's log."""
+        try:
+            return self.post_json("/v1/completions", body, base=self.decode_url)
+        except EngineError as exc:
+            raise EngineError(self.name, f"decode instance: {exc.what}", self._decode_log_tail()) from None
 
     def _decode_scrape(self, *needed: str) -> MetricSnapshot:
         """The decode instance's /metrics; an error naming what it lacks of `needed`."""
