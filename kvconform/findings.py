@@ -33,10 +33,19 @@ are never required.
 
 Directions: "above" (the value is above its bound: a `<=`/`==` expectation broken upwards),
 "below", or "any".
+
+A crash has no measure: a finding whose engine dies in the check names, instead of
+`measures`, the text its engine error must contain (the engine's own log line, which the error
+quotes). `cpu_flag` limits a finding to hosts whose CPU has that flag (/proc/cpuinfo): a bug of
+one instruction set stays a plain failure, never an xfail, on the hosts it cannot reach.
+
+    crash = "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)"
+    cpu_flag = "amx_tile"
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import tomllib
 from collections.abc import Sequence
@@ -48,7 +57,7 @@ from typing import Any, TypeGuard
 import pytest
 
 from kvconform.checkids import matches
-from kvconform.errors import UsageError
+from kvconform.errors import EngineError, UsageError
 
 MANIFEST_NAME = "known-failures.toml"  # in each adapter's package: the findings on its engine
 ENTRY_KEY = pytest.StashKey["Finding"]()
@@ -84,6 +93,11 @@ class Finding:
     closes: str = ""  # a limitation: the option or release that closes it
     repro: Path | None = None  # a defect: its standalone reproduction script
     report: Path | None = None  # a defect: the draft upstream report
+    crash: str = ""  # instead of measures: text the check's engine error contains
+    cpu_flag: str = ""  # applies only on hosts whose CPU has this flag
+
+    def applies_here(self) -> bool:
+        return not self.cpu_flag or self.cpu_flag in cpu_flags()
 
     @property
     def name(self) -> str:
@@ -94,6 +108,10 @@ class Finding:
         text = f"{self.klass} on {self.engine} {self.version}: {self.summary} (measured: {self.measured})"
         if self.measures:
             text += "; fails on " + ", ".join(m.describe() for m in self.measures)
+        if self.crash:
+            text += f"; the engine dies: {self.crash!r}"
+        if self.cpu_flag:
+            text += f" (hosts with CPU flag {self.cpu_flag})"
         return f"{text} [{self.link}]" if self.link else text
 
     def measure_names(self) -> list[str]:
@@ -131,6 +149,15 @@ def judge(entry: Finding, failed: BaseException | None, verdict: Any) -> Judgeme
     """
     if failed is None:
         return Judgement(False, "the check passed (XPASS(strict)): remove the finding from the manifest")
+    if entry.crash:
+        if isinstance(failed, EngineError) and entry.crash in str(failed):
+            return Judgement(True, "")
+        first = (str(failed).strip().splitlines() or [""])[0][:300]
+        return Judgement(
+            False,
+            f"the finding expects the engine to die with {entry.crash!r} in its error, but the "
+            f"check failed otherwise: {type(failed).__name__}: {first}",
+        )
     concluded_with = getattr(verdict, "concluded_failure", None) if verdict is not None else None
     if concluded_with is None or concluded_with is not failed:
         kind = type(failed).__name__
@@ -176,7 +203,12 @@ class Manifest:
 
     def match(self, engine: str, version: str, check: str) -> Finding | None:
         for entry in self.entries:
-            if entry.engine == engine and fnmatchcase(version, entry.version) and matches(check, entry.check):
+            if (
+                entry.engine == engine
+                and fnmatchcase(version, entry.version)
+                and matches(check, entry.check)
+                and entry.applies_here()
+            ):
                 return entry
         return None
 
@@ -224,7 +256,7 @@ def _load_one(source: Path) -> list[Finding]:
             check=raw["check"],
             measured=raw["measured"],
             summary=raw["summary"],
-            measures=_expected_measures(raw.get("measures"), where),
+            measures=() if raw.get("crash") else _expected_measures(raw.get("measures"), where),
             may_also=_expected_measures(raw["may_also"], where) if "may_also" in raw else (),
             numbers=_numbers(raw.get("numbers", {}), where),
             link=raw.get("link", ""),
@@ -233,7 +265,13 @@ def _load_one(source: Path) -> list[Finding]:
             closes=raw.get("closes", ""),
             repro=source.parent / raw["repro"] if raw.get("repro") else None,
             report=source.parent / raw["report"] if raw.get("report") else None,
+            crash=str(raw.get("crash", "")),
+            cpu_flag=str(raw.get("cpu_flag", "")),
         )
+        if entry.crash and "measures" in raw:
+            raise UsageError(
+                f"{where}: names both `crash` and `measures`: a crash is judged by its error only"
+            )
         _check_class_fields(entry, where)
         entries.append(entry)
     return entries
@@ -276,3 +314,16 @@ def _numbers(raw: Any, where: str) -> dict[str, float]:
     if not isinstance(raw, dict) or not all(_is_number(v) for v in raw.values()):
         raise UsageError(f"{where}: `numbers` must be a table measure name -> measured number")
     return {str(k): float(v) for k, v in raw.items()}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This host's CPU flags (the first processor's, /proc/cpuinfo); empty where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvconform import findings
-from kvconform.errors import UsageError
+from kvconform.errors import EngineError, UsageError
 from kvconform.findings import Finding, Manifest
 from kvconform.results import Inconclusive, Verdict
 
@@ -104,7 +104,7 @@ def test_shipped_manifests_load() -> None:
         assert defect.repro is not None and defect.repro.is_file(), defect.check
         assert defect.report is not None and defect.report.is_file(), defect.check
     assert all(f.link for f in manifest.entries if f.klass == "known-upstream")
-    assert all(f.measures for f in manifest.entries), "every finding names the measures that fail"
+    assert all(f.measures or f.crash for f in manifest.entries), "every finding names what fails"
     assert all(set(f.numbers) <= set(f.measure_names()) for f in manifest.entries)
     assert all("::" in f.check for f in manifest.entries), "check patterns are suite::test ids"
 
@@ -320,3 +320,47 @@ def test_a_defect_names_its_repro_and_report_beside_the_manifest(tmp_path: Path)
         tmp_path / "findings" / "leak.md",
     )
     assert entry.reason().startswith("defect on x 1: s")
+
+
+CRASH = """
+[[finding]]
+engine = "x"
+version = "1"
+check = "a::b"
+crash = "died unexpectedly (exit code: -4)"
+cpu_flag = "{flag}"
+measured = "m"
+summary = "s"
+class = "unconfirmed"
+contract = "c"
+"""
+
+
+def _crash(tmp_path: Path, flag: str) -> Manifest:
+    path = tmp_path / "crash.toml"
+    path.write_text(CRASH.format(flag=flag))
+    return findings.load(str(path))
+
+
+def test_a_crash_finding_holds_only_for_its_engine_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(findings, "cpu_flags", lambda: frozenset({"amx_tile"}))
+    entry = _crash(tmp_path, "amx_tile").match("x", "1", "a::b")
+    assert entry is not None and entry.measures == ()
+    died = EngineError("x", "HTTP 500", "Worker proc died unexpectedly (exit code: -4), shutting down")
+    assert findings.judge(entry, died, None).expected
+    other = findings.judge(entry, EngineError("x", "HTTP 500", "out of memory"), None)
+    assert not other.expected and "died unexpectedly" in other.explanation
+    assert not findings.judge(entry, AssertionError("died unexpectedly (exit code: -4)"), None).expected
+    assert "XPASS(strict)" in findings.judge(entry, None, None).explanation
+
+
+def test_a_cpu_flag_finding_does_not_apply_on_other_hosts(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(findings, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert _crash(tmp_path, "amx_tile").match("x", "1", "a::b") is None
+
+
+def test_crash_and_measures_together_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "crash.toml"
+    path.write_text(CRASH.format(flag="") + 'measures = ["m"]\n')
+    with pytest.raises(UsageError, match="names both `crash` and `measures`"):
+        findings.load(str(path))
