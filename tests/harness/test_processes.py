@@ -390,3 +390,22 @@ def test_a_child_session_past_its_timeout_is_asked_to_stop_first(tmp_path: Path)
     t0 = time.monotonic()
     assert run_child_session([sys.executable, "-c", stubborn], None, timeout_s=1.0, grace_s=1.0) is None
     assert time.monotonic() - t0 < 15, "a child ignoring SIGTERM is killed after the grace"
+
+
+def test_a_log_tail_leads_with_the_error_line_its_traceback_pushed_out(tmp_path: Path) -> None:
+    code = (
+        "print('serving'); print('(EngineCore) ERROR Worker proc died unexpectedly (exit code: -4)'); "
+        "[print(f'ERROR traceback line {i}') for i in range(60)]"
+    )
+    proc = EngineProcess("fake-server", [sys.executable, "-c", code], tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 10
+        while proc.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tail = proc.log_tail(40).splitlines()
+    finally:
+        proc.stop(grace_s=1)
+    first = "[first error line before the tail] (EngineCore) ERROR Worker proc died unexpectedly"
+    assert tail[0] == f"{first} (exit code: -4)"
+    assert tail[-1] == "ERROR traceback line 59" and len(tail) == 42
+    assert "serving" not in "\n".join(tail)
