@@ -39,7 +39,7 @@ A crash has no measure: a finding whose engine dies in the check names, instead 
 quotes). `cpu_flag` limits a finding to hosts whose CPU has that flag (/proc/cpuinfo): a bug of
 one instruction set stays a plain failure, never an xfail, on the hosts it cannot reach.
 
-    crash = "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)"
+    crash = "Worker proc VllmWorker-0 died unexpectedly"
     cpu_flag = "amx_tile"
 """
 

@@ -130,6 +130,7 @@ class EngineProcess:
         stdout_pipe: bool = False,
         shm_patterns: Iterable[str] = (),
         stop_whole_group: bool = True,
+        death_lines: Iterable[str] = (),
     ) -> None:
         self.name = name
         self.argv = argv
@@ -139,8 +140,12 @@ class EngineProcess:
         # own stop path), then the group only if the grace runs out. A signal to every process
         # at once can kill a child before it cleans up (SGLang: a named semaphore left each stop).
         self.stop_whole_group = stop_whole_group
+        # What the engine logs when one of its own processes dies (its supervisor's line): the
+        # last such line of this launch leads a log tail, however far up a traceback pushed it.
+        self.death_lines = tuple(death_lines)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self._log_start = self._log.tell()  # the log is appended to across launches
         full_env = {**os.environ, **(env or {})}
         if "PYTHONHASHSEED" not in (env or {}):
             # An engine hashes as it does by default: a seed the suite's own runner exported (tox
@@ -194,10 +199,26 @@ class EngineProcess:
             return ""
         text = data.decode("utf-8", "replace").splitlines()
         tail, before = text[-lines:], text[:-lines][-ERROR_LOOKBACK_LINES:]
+        lead = []
+        death = self._death_line()
+        if death is not None and death not in tail:
+            lead.append(f"[a process of the engine died] {death}")
         first_error = next((line for line in before if ERROR_LINE.search(line)), None)
-        if first_error is None:
-            return "\n".join(tail)
-        return "\n".join([f"[first error line before the tail] {first_error}", "[...]", *tail])
+        if first_error is not None and first_error != death:
+            lead.append(f"[first error line before the tail] {first_error}")
+        return "\n".join([*lead, "[...]", *tail] if lead else tail)
+
+    def _death_line(self) -> str | None:
+        if not self.death_lines:
+            return None
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(self._log_start, log.seek(0, os.SEEK_END) - 4_000_000))
+                text = log.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        found = [line for line in text.splitlines() if any(d in line for d in self.death_lines)]
+        return found[-1] if found else None
 
     def refresh_tree(self) -> list[psutil.Process]:
         """Every live process of this engine: the group, plus descendants that left it."""

@@ -33,6 +33,7 @@ class LaunchedServer:
         session: requests.Session | None = None,
         stop_whole_group: bool = True,
         wait: bool = True,
+        death_lines: tuple[str, ...] = (),
     ) -> None:
         """`wait=False`: launched, not waited for; `wait_ready()` waits (servers that must
         start side by side, e.g. a pair whose first busy-polls once up)."""
@@ -52,6 +53,7 @@ class LaunchedServer:
                 env=env,
                 shm_patterns=shm_patterns,
                 stop_whole_group=stop_whole_group,
+                death_lines=death_lines,
             )
             if wait:
                 self.wait_ready()

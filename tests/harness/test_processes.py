@@ -409,3 +409,25 @@ def test_a_log_tail_leads_with_the_error_line_its_traceback_pushed_out(tmp_path:
     assert tail[0] == f"{first} (exit code: -4)"
     assert tail[-1] == "ERROR traceback line 59" and len(tail) == 42
     assert "serving" not in "\n".join(tail)
+
+
+def test_a_log_tail_leads_with_this_launchs_death_line_however_far_up(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("Worker proc VllmWorker-0 died unexpectedly (an earlier launch)\n")
+    code = (
+        "print('serving'); print('Worker proc VllmWorker-0 died unexpectedly (exit code: None)'); "
+        "[print(f'ERROR traceback line {i}') for i in range(400)]"
+    )
+    proc = EngineProcess("fake-server", [sys.executable, "-c", code], log, death_lines=("died unexpectedly",))
+    try:
+        deadline = time.monotonic() + 10
+        while proc.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        tail = proc.log_tail(40).splitlines()
+    finally:
+        proc.stop(grace_s=1)
+    assert (
+        tail[0]
+        == "[a process of the engine died] Worker proc VllmWorker-0 died unexpectedly (exit code: None)"
+    )
+    assert tail[1].startswith("[first error line before the tail] ERROR traceback line 160")

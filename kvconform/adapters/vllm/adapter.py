@@ -268,6 +268,8 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             shm_patterns=("psm_*", "vllm_offload_*"),
             session=self.http,
             wait=wait,
+            # the executor's line when a worker dies (v1/executor/multiproc_executor.py:315)
+            death_lines=("died unexpectedly",),
         )
 
     def serve_args(
