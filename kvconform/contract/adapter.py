@@ -161,9 +161,11 @@ class EngineAdapter(ABC):
         why = "attached: needs an engine the suite launched"
         return {capability: why for capability in self.capabilities & NEEDS_LAUNCH}
 
-    def supports(self, capability: Capability) -> bool:
-        """Whether a check requiring `capability` runs on this instance."""
-        return capability in self.capabilities and capability not in self.unsupported()
+    def supported(self) -> frozenset[Capability]:
+        """What checks may require of this instance: the capabilities it declares, less those
+        it cannot offer (unsupported())."""
+        gaps = self.unsupported()
+        return frozenset(c for c in self.capabilities if c not in gaps)
 
     def block_size(self) -> int:
         if self.attached:

@@ -120,9 +120,9 @@ class Collection:
             if name is None:
                 continue
             adapter = session.adapter(name)
-            gaps = adapter.unsupported()
+            gaps, supported = adapter.unsupported(), adapter.supported()
             for marker in item.iter_markers("requires"):
-                missing = [Capability(c) for c in marker.args if not adapter.supports(Capability(c))]
+                missing = [Capability(c) for c in marker.args if Capability(c) not in supported]
                 if missing:
                     named = ", ".join(f"{c} ({gaps[c]})" if c in gaps else str(c) for c in missing)
                     item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))

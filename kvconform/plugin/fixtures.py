@@ -78,4 +78,4 @@ class Fixtures:
     @staticmethod
     def has(engine: EngineAdapter) -> Callable[[Capability], bool]:
         """has(Capability.X): whether the engine (in this mode) offers an optional extra."""
-        return engine.supports
+        return engine.supported().__contains__

@@ -31,7 +31,7 @@ class GaugeSampler(PeriodicSampler):
         self.samples: list[GaugeSample] = []
         self.counter_names = [c for c in COUNTERS if c in engine.metric_names]
         # an engine without offload gauges (only its host hits judged) is sampled for counters
-        self.gauges = engine.supports(C.OFFLOAD_GAUGES)
+        self.gauges = C.OFFLOAD_GAUGES in engine.supported()
         self.scraped = [
             engine.metric_names[m]
             for m in (*(GAUGES if self.gauges else ()), *self.counter_names)

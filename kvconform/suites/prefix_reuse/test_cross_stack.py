@@ -22,7 +22,7 @@ U64 = (1 << 64) - 1
 @pytest.fixture
 def index_engine(other_engines: list[EngineAdapter]) -> EngineAdapter:
     for other in other_engines:
-        if other.supports(C.RADIX_INDEX):
+        if C.RADIX_INDEX in other.supported():
             return other
     pytest.skip("no engine with capability radix_index selected in this session (select one with --engine)")
 

@@ -103,8 +103,3 @@ class FakeServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def supported(adapter: Any) -> frozenset[Any]:
-    """The capabilities checks would run with on `adapter` (declared and not unsupported)."""
-    return frozenset(c for c in adapter.capabilities if adapter.supports(c))

@@ -13,7 +13,6 @@ from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
 from tests.adapters.contract.fake_omlx import FakeOmlx
-from tests.adapters.contract.fakes import supported
 
 
 def test_token_ids_travel_as_words_and_cached_tokens_are_read(omlx: OmlxAdapter) -> None:
@@ -55,8 +54,8 @@ def test_capabilities_attach_vs_launch(tmp_path: Path) -> None:
         C.INSTANCE_CHURN,
         C.INSTANCE_REGISTRY,
     }
-    assert launch_only <= supported(launched)
-    assert supported(attached) == frozenset(
+    assert launch_only <= launched.supported()
+    assert attached.supported() == frozenset(
         {C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.ANSWERS_FROM_KV, C.RESET_PREFIX_CACHE, C.ABORT_REQUESTS}
     )
     assert C.KV_EVENTS not in launched.capabilities  # oMLX publishes no KV events

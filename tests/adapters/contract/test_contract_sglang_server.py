@@ -29,7 +29,6 @@ from kvconform.events import EventLedger
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.processes import free_port
 from tests.adapters.contract.fake_sglang import FakeSglang, FakeSglangPublisher, removed, stored
-from tests.adapters.contract.fakes import supported
 from tests.system.suite_runs import run_suites
 
 ATTACHED = frozenset(
@@ -179,11 +178,11 @@ def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     inprocess = SglangAdapter(AdapterContext(workdir=tmp_path))
     attached = SglangServerAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
     assert not issubclass(SglangServerAdapter, SglangAdapter)  # two adapters, not one branching
-    assert supported(inprocess) == INPROCESS_CAPABILITIES
-    assert supported(attached) == ATTACHED  # only what works over HTTP
+    assert inprocess.supported() == INPROCESS_CAPABILITIES
+    assert attached.supported() == ATTACHED  # only what works over HTTP
     launched = SglangServerAdapter(AdapterContext(workdir=tmp_path))
     assert launched.env_spec == "sglang-server"
-    caps = supported(launched)
+    caps = launched.supported()
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
     with pytest.raises(NotImplementedError, match=r"in-process only \(--engine sglang\)"):

@@ -29,7 +29,6 @@ from kvconform.metrics import parse_prometheus
 from kvconform.processes import free_port
 from tests.adapters.contract import fake_trtllm as fakes
 from tests.adapters.contract.fake_trtllm import RELEASES, FakeTrtllm
-from tests.adapters.contract.fakes import supported
 from tests.system.suite_runs import run_suites
 
 
@@ -75,7 +74,7 @@ def test_serve_prompt_sends_token_ids_and_reads_cached_tokens(trtllm: TrtllmAdap
 
 def test_capabilities_per_release_and_mode(tmp_path: Path, fake_trtllm) -> None:
     attached = attach(fake_trtllm, tmp_path)
-    caps = supported(attached)
+    caps = attached.supported()
     assert {C.BLOCK_POOL_STATS, C.KV_EVENTS, C.PREFIX_CACHE} <= caps
     assert C.RESTART not in caps and C.HOST_MEMORY not in caps
     assert C.RESET_PREFIX_CACHE not in attached.capabilities  # no reset endpoint in trtllm-serve
@@ -91,7 +90,7 @@ def test_capabilities_per_release_and_mode(tmp_path: Path, fake_trtllm) -> None:
 def test_launch_mode_release_is_the_env_spec_pin(tmp_path: Path) -> None:
     launched = TrtllmAdapter(AdapterContext(workdir=tmp_path))
     assert launched.target_version() == "1.2.1"  # envs/trtllm.toml: tensorrt-llm==1.2.1
-    caps = supported(launched)
+    caps = launched.supported()
     assert {C.RESTART, C.HOST_MEMORY, C.BLOCK_POOL_STATS, C.KV_EVENTS} <= caps
     assert C.PREFIX_HIT_COUNTERS not in caps
     assert launched.metric_names == {}
@@ -103,7 +102,7 @@ def test_unknown_version_reads_as_the_oldest_line(tmp_path: Path) -> None:
     adapter = attach(fake, tmp_path)
     try:
         assert adapter.release() is RELEASE_12
-        assert C.PREFIX_HIT_COUNTERS not in supported(adapter)
+        assert C.PREFIX_HIT_COUNTERS not in adapter.supported()
         assert "not a known release: read as 1.2" in adapter.unsupported()[C.PREFIX_HIT_COUNTERS]
     finally:
         adapter.close()
