@@ -37,6 +37,8 @@ SHM_DIR = Path("/dev/shm")
 # starts a traceback so), looked for in the lines just above a log tail.
 ERROR_LINE = re.compile(r"\bERROR\b|^Traceback \(most recent call last\)")
 ERROR_LOOKBACK_LINES = 200
+TAIL_SCAN_BYTES = 64_000  # of the log, for its tail and the error line above it
+DEATH_SCAN_BYTES = 4_000_000  # of this launch's log, for the engine's last death line
 # How long a /dev/shm file no process of this tree was seen holding may take to go away on its
 # own before it counts as this tree's leftover (a resource tracker unlinks within ~0.1 s).
 SHM_SETTLE_S = 3.0
@@ -194,31 +196,26 @@ class EngineProcess:
         try:
             if not self._log.closed:  # stop() closes it; the tail is still on disk
                 self._log.flush()
-            data = self.log_path.read_bytes()[-64_000:]
+            with open(self.log_path, "rb") as log:
+                end = log.seek(0, os.SEEK_END)
+                start = max(0, end - (DEATH_SCAN_BYTES if self.death_lines else TAIL_SCAN_BYTES))
+                log.seek(start)
+                data = log.read()
         except OSError:
             return ""
-        text = data.decode("utf-8", "replace").splitlines()
+        text = data[-TAIL_SCAN_BYTES:].decode("utf-8", "replace").splitlines()
         tail, before = text[-lines:], text[:-lines][-ERROR_LOOKBACK_LINES:]
         lead = []
-        death = self._death_line()
+        death = None
+        if self.death_lines:  # the last one of this launch (the log is appended to across launches)
+            this_launch = data[max(0, self._log_start - start) :].decode("utf-8", "replace").splitlines()
+            death = next((ln for ln in reversed(this_launch) if any(d in ln for d in self.death_lines)), None)
         if death is not None and death not in tail:
             lead.append(f"[a process of the engine died] {death}")
         first_error = next((line for line in before if ERROR_LINE.search(line)), None)
         if first_error is not None and first_error != death:
             lead.append(f"[first error line before the tail] {first_error}")
         return "\n".join([*lead, "[...]", *tail] if lead else tail)
-
-    def _death_line(self) -> str | None:
-        if not self.death_lines:
-            return None
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(max(self._log_start, log.seek(0, os.SEEK_END) - 4_000_000))
-                text = log.read().decode("utf-8", "replace")
-        except OSError:
-            return None
-        found = [line for line in text.splitlines() if any(d in line for d in self.death_lines)]
-        return found[-1] if found else None
 
     def refresh_tree(self) -> list[psutil.Process]:
         """Every live process of this engine: the group, plus descendants that left it."""

@@ -392,19 +392,24 @@ def test_a_child_session_past_its_timeout_is_asked_to_stop_first(tmp_path: Path)
     assert time.monotonic() - t0 < 15, "a child ignoring SIGTERM is killed after the grace"
 
 
+def tail_once_done(proc: EngineProcess, lines: int = 40) -> list[str]:
+    """The log tail of a short-lived process, read once it has exited (then stopped)."""
+    try:
+        deadline = time.monotonic() + 10
+        while proc.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return proc.log_tail(lines).splitlines()
+    finally:
+        proc.stop(grace_s=1)
+
+
 def test_a_log_tail_leads_with_the_error_line_its_traceback_pushed_out(tmp_path: Path) -> None:
     code = (
         "print('serving'); print('(EngineCore) ERROR Worker proc died unexpectedly (exit code: -4)'); "
         "[print(f'ERROR traceback line {i}') for i in range(60)]"
     )
     proc = EngineProcess("fake-server", [sys.executable, "-c", code], tmp_path / "server.log")
-    try:
-        deadline = time.monotonic() + 10
-        while proc.alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        tail = proc.log_tail(40).splitlines()
-    finally:
-        proc.stop(grace_s=1)
+    tail = tail_once_done(proc)
     first = "[first error line before the tail] (EngineCore) ERROR Worker proc died unexpectedly"
     assert tail[0] == f"{first} (exit code: -4)"
     assert tail[-1] == "ERROR traceback line 59" and len(tail) == 42
@@ -419,13 +424,7 @@ def test_a_log_tail_leads_with_this_launchs_death_line_however_far_up(tmp_path: 
         "[print(f'ERROR traceback line {i}') for i in range(400)]"
     )
     proc = EngineProcess("fake-server", [sys.executable, "-c", code], log, death_lines=("died unexpectedly",))
-    try:
-        deadline = time.monotonic() + 10
-        while proc.alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        tail = proc.log_tail(40).splitlines()
-    finally:
-        proc.stop(grace_s=1)
+    tail = tail_once_done(proc)
     assert (
         tail[0]
         == "[a process of the engine died] Worker proc VllmWorker-0 died unexpectedly (exit code: None)"
