@@ -14,7 +14,6 @@ import threading
 import time
 from abc import ABC
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -25,6 +24,7 @@ from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
 from kvconform.contract.facets import (
     ActiveBlockTracker,
     KvTransfer,
+    PersistentTier,
     RadixCache,
     RemoteStore,
     RouterIndex,
@@ -459,26 +459,11 @@ class EngineAdapter(ABC):
         time.sleep(self.event_settle_s)
         return self.subscriber.fill_gaps()
 
-    # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED) ------------------------------
-    def persisted_entries(self) -> list[Path]:
-        """Files of the persistent tier, for the suite to damage."""
+    # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED, TIERED_STORE_METRICS) --------
+    def persistent_tier(self) -> PersistentTier:
+        """The tier the engine keeps KV in across restarts, as the suite reads (and damages)
+        it; kvconform.kit.persistent_tiers has the two shapes it takes."""
         raise NotImplementedError
-
-    def persisted_sizes(self) -> dict[str, int]:
-        """Each entry of the persistent tier (a file, an object) -> its bytes."""
-        return {str(p): p.stat().st_size for p in self.persisted_entries()}
-
-    def persisted_bytes(self) -> int:
-        return sum(self.persisted_sizes().values())
-
-    def persisted_block_bytes(self) -> int:
-        """What one full block takes in the persistent tier, from the model's shape and the
-        tier's documented format (an adapter whose format adds a header says so here)."""
-        return self.model.block_bytes(self.block_size())
-
-    def flush_persistent(self) -> None:
-        """Wait until what was stored has reached the persistent tier."""
-        return None
 
     # ---- the remote tier (REMOTE_TIER) --------------------------------------------------
     def remote_tier(self) -> RemoteStore:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Literal
 
 from kvconform.contract.types import TransferResult
@@ -237,6 +238,29 @@ class TraceReplay(ABC):
     @abstractmethod
     def replay(self, trace: list[TracedRequest], setup: ReplaySetup) -> list[ReplayedRequest]:
         """Every request of `trace`, in arrival order."""
+
+
+class PersistentTier(ABC):
+    """Where an engine keeps KV across its own restarts (PERSISTENT_PREFIX, CORRUPT_PERSISTED,
+    TIERED_STORE_METRICS): files on disk, or objects in a store the suite runs. The suite reads
+    what landed there and, where the tier is files, damages them."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Wait until what the engine stored has reached the tier (writes are asynchronous)."""
+
+    @abstractmethod
+    def sizes(self) -> dict[str, int]:
+        """Each entry of the tier (a file, an object) -> its bytes."""
+
+    @abstractmethod
+    def block_bytes(self) -> int:
+        """What one full block takes in the tier, from the model's shape and the tier's
+        documented format (a format that adds a header says so here)."""
+
+    def files(self) -> list[Path]:
+        """The tier's files, for the suite to damage; a tier of objects has none."""
+        raise NotImplementedError(f"{type(self).__name__} keeps objects, not files")
 
 
 class RemoteStore(ABC):

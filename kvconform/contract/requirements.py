@@ -14,7 +14,8 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.PREFIX_CACHE: ("serve_prompt",),
     C.PREFIX_HIT_COUNTERS: ("metrics",),
     C.RESET_PREFIX_CACHE: ("reset_prefix_cache",),
-    C.CORRUPT_PERSISTED: ("persisted_entries",),
+    C.PERSISTENT_PREFIX: ("persistent_tier",),
+    C.CORRUPT_PERSISTED: ("persistent_tier",),
     C.FORCED_EVICTION: ("cache_capacity_tokens",),
     C.CACHE_SALT: ("serve_salted",),
     C.HOST_MEMORY: ("engine_pids",),
@@ -25,7 +26,7 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.OFFLOAD_STORE_FAILURE: ("set_store_failure", "metrics"),
     C.OFFLOAD_HOST_HITS: ("metrics",),
     # l1_capacity_bytes too, but only where the engine reports an L1 usage ratio to judge it by
-    C.TIERED_STORE_METRICS: ("metrics",),
+    C.TIERED_STORE_METRICS: ("metrics", "persistent_tier"),
     C.BLOCK_POOL_STATS: ("block_pool_stats",),
     C.TRANSFER_ACCOUNTING: ("kv_transfer",),
     C.PAGE_INDEX: ("kv_transfer",),

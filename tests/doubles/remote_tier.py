@@ -30,9 +30,10 @@ import time
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, EngineConfig, RemoteStore, ServedPrompt
+from kvconform.contract import Capability, EngineConfig, PersistentTier, RemoteStore, ServedPrompt
 from kvconform.engines.reference.faults import Fault
 from kvconform.errors import EngineError
+from kvconform.kit.persistent_tiers import StoreTier
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 from tests.doubles.base import DoubleAdapter
@@ -627,6 +628,9 @@ class RemoteTierDouble(DoubleAdapter):
 
     def remote_tier(self) -> RemoteStore:
         return DoubleStore(self)
+
+    def persistent_tier(self) -> PersistentTier:
+        return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()))
 
 
 _DESYNC = frozenset({"truncated_value_desyncs_connection", "desynced_reads_served_and_rewritten"})

@@ -27,6 +27,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    PersistentTier,
     RemoteStore,
     SecondRelease,
     ServedPrompt,
@@ -35,6 +36,7 @@ from kvconform.contract import (
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
 from kvconform.kit.drivers import DriverProcess, live_driver
+from kvconform.kit.persistent_tiers import FileTier, StoreTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes, threads_measure
 from kvconform.metrics import MetricSnapshot
@@ -428,10 +430,11 @@ class LmcacheAdapter(EngineAdapter):
         return self.kv_pool_bytes() // self.model.kv_bytes_per_token()
 
     # ---- persistence ---------------------------------------------------------------------
-    def persisted_entries(self) -> list[Path]:
-        return sorted(p for p in self.l2_dir().rglob("*") if p.is_file())
+    def persistent_tier(self) -> PersistentTier:
+        """The fs L2 adapter's files (one per chunk), flushed by the L2 store tasks."""
+        return FileTier(self.l2_dir(), "**/*", self.model.block_bytes(self.block_size()), self.flush_l2)
 
-    def flush_persistent(self, timeout_s: float = 15.0, quiet_s: float = 0.5) -> None:
+    def flush_l2(self, timeout_s: float = 15.0, quiet_s: float = 0.5) -> None:
         """Until every store task has ended and no new one came for quiet_s: the store controller
         submits L2 tasks from its own loop after the client's store returned. The task counters,
         which count a failed task done (the object counters never count a failed chunk)."""
@@ -714,11 +717,9 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         self.redis = None
         return report
 
-    def persisted_entries(self) -> list[Path]:
-        raise NotImplementedError("lmcache-redis persists into Redis, not files: see remote_tier()")
-
-    def persisted_sizes(self) -> dict[str, int]:
-        return self.remote_tier().entries()
+    def persistent_tier(self) -> PersistentTier:
+        """Redis is L2: its objects are the persistent tier."""
+        return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()), self.flush_l2)
 
     def describe_logs(self) -> dict[str, str]:
         logs = super().describe_logs()

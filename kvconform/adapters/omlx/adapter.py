@@ -53,11 +53,13 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    PersistentTier,
     SecondRelease,
     ServedPrompt,
 )
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
+from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, sample_processes, threads_measure
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
@@ -438,10 +440,10 @@ class OmlxAdapter(EngineAdapter):
         for _attempt in range(3):
             self.clear_ssd_cache()
             self.clear_hot_cache()
-            if not launched or not self.persisted_entries():
+            if not launched or not self.ssd_files():
                 return
             self._wait_files_still(timeout_s=5.0, quiet_s=0.5)
-        left = len(self.persisted_entries())
+        left = len(self.ssd_files())
         raise EngineError(self.name, f"{left} SSD block files left after {ADMIN}/ssd-cache/clear")
 
     def probe(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -557,12 +559,19 @@ class OmlxAdapter(EngineAdapter):
         return HOT_CACHE_BYTES
 
     # ---- persistence --------------------------------------------------------------------
-    def persisted_entries(self) -> list[Path]:
-        return sorted(p for p in self.ssd_dir().glob("[0-9a-f]/*.safetensors") if p.is_file())
+    def persistent_tier(self) -> PersistentTier:
+        """The paged SSD cache's block files (one safetensors file per block, under a
+        directory per first hex digit of its hash)."""
+        return FileTier(
+            self.ssd_dir(), "[0-9a-f]/*.safetensors", self.model.block_bytes(BLOCK_SIZE), self.flush_ssd
+        )
+
+    def ssd_files(self) -> list[Path]:
+        return self.persistent_tier().files()
 
     def _file_state(self) -> list[tuple[str, int]]:
         state = []
-        for path in self.persisted_entries():
+        for path in self.ssd_files():
             with contextlib.suppress(OSError):
                 state.append((path.name, path.stat().st_size))
         return state
@@ -585,7 +594,7 @@ class OmlxAdapter(EngineAdapter):
         return [key for key in prefixes if key not in self._stored_prefixes]
 
     def _file_names(self) -> set[str]:
-        return {path.name for path in self.persisted_entries()}
+        return {path.name for path in self.ssd_files()}
 
     def _wait_blocks_stored(self, fresh: list[int], files_before: set[str], timeout_s: float = 5.0) -> None:
         """oMLX stores a finished request's blocks after it answered (scheduler.py,
@@ -601,7 +610,7 @@ class OmlxAdapter(EngineAdapter):
             time.sleep(0.05)
         self._stored_prefixes.update(fresh)
 
-    def flush_persistent(self, timeout_s: float = 20.0, quiet_s: float = 1.5) -> None:
+    def flush_ssd(self, timeout_s: float = 20.0, quiet_s: float = 1.5) -> None:
         """SSD writes are asynchronous: wait until the tier's file set stops changing."""
         self._wait_files_still(timeout_s, quiet_s, nonempty=True)
 

@@ -24,6 +24,7 @@ from kvconform.contract import (
     EngineConfig,
     KvTransfer,
     ModelShape,
+    PersistentTier,
     ReleaseTwice,
     SecondRelease,
     ServedPrompt,
@@ -32,6 +33,7 @@ from kvconform.contract import (
 from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.disk import HEADER as DISK_HEADER
 from kvconform.errors import EngineError
+from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_measures, nvml, sample_processes
 from kvconform.metrics import MetricSnapshot
@@ -225,13 +227,11 @@ class ReferenceAdapter(EngineAdapter):
         return int(stats["cached_free"])
 
     # ---- persistence ---------------------------------------------------------------------
-    def persisted_entries(self) -> list[Path]:
-        return sorted(self.disk_dir().glob("*.kv"))
-
-    def persisted_block_bytes(self) -> int:
+    def persistent_tier(self) -> PersistentTier:
         # each .kv file: a 16-byte header (magic, payload length, CRC32) and the block's KV
         # (kvconform/engines/reference/disk.py HEADER)
-        return super().persisted_block_bytes() + DISK_HEADER_BYTES
+        block_bytes = self.model.block_bytes(self.block_size()) + DISK_HEADER_BYTES
+        return FileTier(self.disk_dir(), "*.kv", block_bytes)
 
     def reset_all_tiers(self) -> None:
         self._request("POST", "/reset_prefix_cache?lower_tiers=1")

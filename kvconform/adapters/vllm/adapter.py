@@ -19,6 +19,7 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     ModelShape,
+    PersistentTier,
     ReleaseTwice,
     ServedPrompt,
 )
@@ -26,6 +27,7 @@ from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
+from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
@@ -380,11 +382,13 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         """vLLM's fs tier root: one <hash>.bin file per block, kept across restarts."""
         return self.ctx.workdir / "vllm-fs-tier"
 
-    def persisted_entries(self) -> list[Path]:
-        root = self.fs_tier_dir()
-        return sorted(root.rglob("*.bin")) if root.exists() else []
+    def persistent_tier(self) -> PersistentTier:
+        """The fs tier's block files (vllm-lmcache's persistence is the LMCache server's, which
+        outlives vLLM's restart: no files, nothing to flush on vLLM's side)."""
+        block_bytes = self.model.block_bytes(self.block_size())
+        return FileTier(self.fs_tier_dir(), "**/*.bin", block_bytes, self._flush_fs_tier)
 
-    def flush_persistent(self) -> None:
+    def _flush_fs_tier(self) -> None:
         """Until the fs tier holds what was stored: our worker has no store in flight, vLLM's
         tiering manager no cascade job to the tier (vllm:kv_offload_tiering_active_cascade_jobs,
         vllm/v1/kv_offload/tiering/metrics.py) and the tier's files stopped changing."""
@@ -400,7 +404,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
             # the gauge is labelled per tier and first exported with the tiering manager's
             # first stats report: before that report no cascade job has run
             cascading = snapshot.value(CASCADE_JOBS_METRIC) if snapshot.has(CASCADE_JOBS_METRIC) else 0
-            sizes = self.persisted_sizes()
+            sizes = self.persistent_tier().sizes()
             state = (len(sizes), sum(sizes.values()))
             if stores_in_flight == 0 and cascading == 0 and state == seen:
                 return

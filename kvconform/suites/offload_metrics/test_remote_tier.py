@@ -42,7 +42,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     chunks = 8
     before = engine.metrics()
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
-    engine.flush_persistent()
+    engine.persistent_tier().flush()
     after = engine.metrics()
     entries = engine.remote_tier().entries()
     held = sum(entries.values())
@@ -108,9 +108,9 @@ def test_remote_tier_eviction_within_capacity(
     peak = 0
     for _ in range(prompts_needed):
         engine.serve_prompt(prompts.fresh(per_prompt * block))
-        engine.flush_persistent()
+        engine.persistent_tier().flush()
         peak = max(peak, sum(engine.remote_tier().entries().values()))
-    engine.flush_persistent()
+    engine.persistent_tier().flush()
     entries, settled_after = settled_entries(engine)
     held = sum(entries.values())
     verdict.record("remote_settled_after_s", settled_after, "s")
@@ -138,7 +138,7 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
     block = engine.block_size()
     stored = prompts.fresh(4 * block + 1)
     cold = engine.serve_prompt(stored)
-    engine.flush_persistent()
+    engine.persistent_tier().flush()
     report = engine.remote_tier().down()
     verdict.expect("remote_teardown_leftovers", int(not report.clean), "==", 0, note=report.describe())
     outcomes: dict[str, tuple[str, ServedPrompt | str]] = {}

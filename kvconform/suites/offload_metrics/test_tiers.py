@@ -33,7 +33,8 @@ def test_tiered_store_metrics_consistent(
     judged = [name for name in L2_ACCOUNTING if name in names]
     if not judged:
         pytest.fail(f"{engine.name} declares {C.TIERED_STORE_METRICS} but maps none of {L2_ACCOUNTING}")
-    entries_before = engine.persisted_sizes()
+    tier = engine.persistent_tier()
+    entries_before = tier.sizes()
     before = engine.metrics()
     block = engine.block_size()
     batch = [prompts.fresh(4 * block + 7) for _ in range(4)]
@@ -41,11 +42,11 @@ def test_tiered_store_metrics_consistent(
     for tokens in batch:
         engine.serve_prompt(tokens)
         during.append(engine.metrics())
-    engine.flush_persistent()
+    tier.flush()
     for tokens in batch:
         engine.serve_prompt(tokens)
     after = engine.metrics()
-    entries_after = engine.persisted_sizes()
+    entries_after = tier.sizes()
     disk_delta = sum(entries_after.values()) - sum(entries_before.values())
     # a bounded tier may evict older entries to hold the new ones: what appeared is judged
     appeared = sum(size for key, size in entries_after.items() if key not in entries_before)
@@ -54,7 +55,7 @@ def test_tiered_store_metrics_consistent(
     verdict.equal(
         "disk_bytes_delta",
         appeared,
-        full_blocks * engine.persisted_block_bytes(),
+        full_blocks * tier.block_bytes(),
         "bytes",
         note=f"bytes of the entries that appeared: {full_blocks} fresh full blocks, each persisted "
         f"once (the repeats store nothing); net change {disk_delta} (older entries evicted: "

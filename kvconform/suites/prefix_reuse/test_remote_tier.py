@@ -42,11 +42,11 @@ def test_remote_damaged_entry_recomputed(
     block = engine.block_size()
     intact = prompts.fresh(4 * block + 1)
     intact_cold = engine.serve_prompt(intact)
-    engine.flush_persistent()
+    engine.persistent_tier().flush()
     kept = set(engine.remote_tier().entries())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt)
-    engine.flush_persistent()
+    engine.persistent_tier().flush()
     engine.stop()  # the engine is gone before its entries are touched; the remote store is not
     targets = sorted(set(engine.remote_tier().entries()) - kept)
     verdict.require(
@@ -67,7 +67,7 @@ def test_remote_damaged_entry_recomputed(
         note="a prompt whose entries were not damaged is still served whole after the damaged read",
     )
     verdict.equal("intact_prefix_output_identical", int(after.output == intact_cold.output), 1)
-    engine.flush_persistent()
+    engine.persistent_tier().flush()
     engine.restart()  # what the session after the damaged read left in the store
     again = engine.serve_prompt(intact)
     verdict.record("intact_prefix_hits_next_session", again.cached_tokens, "tokens")

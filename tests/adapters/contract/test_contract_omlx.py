@@ -257,11 +257,12 @@ def test_settings_file_secrets_are_redacted(tmp_path: Path) -> None:
     assert data == {"server": {"port": 1}, "auth": {"skip_api_key_verification": False}}
 
 
-def test_persisted_entries_are_the_ssd_safetensors(tmp_path: Path) -> None:
+def test_persistent_tier_is_the_ssd_safetensors(tmp_path: Path) -> None:
     adapter = OmlxAdapter(AdapterContext(workdir=tmp_path))
     (adapter.ssd_dir() / "a").mkdir(parents=True)
     (adapter.ssd_dir() / "a" / "abc.safetensors").write_bytes(b"x" * 10)
     (adapter.ssd_dir() / "response-state").mkdir()
     (adapter.ssd_dir() / "response-state" / "r.json").write_text("{}")
-    assert [p.name for p in adapter.persisted_entries()] == ["abc.safetensors"]
-    assert adapter.persisted_bytes() == 10
+    tier = adapter.persistent_tier()
+    assert [p.name for p in tier.files()] == ["abc.safetensors"]
+    assert sum(tier.sizes().values()) == 10

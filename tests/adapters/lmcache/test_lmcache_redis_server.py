@@ -70,7 +70,7 @@ def test_lmcache_resp_tier_survives_restart_and_stops_clean(tmp_path: Path) -> N
     try:
         adapter.ensure(EngineConfig(persistent=True))
         assert adapter.serve_prompt(prompt).cached_tokens == 0
-        adapter.flush_persistent()
+        adapter.persistent_tier().flush()
         entries = adapter.remote_tier().entries()
         assert sorted(entries.values()) == [adapter.offload_block_bytes()] * 2
         redis_pid = adapter.redis.process.pid if adapter.redis else 0

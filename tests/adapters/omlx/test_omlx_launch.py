@@ -43,14 +43,14 @@ def test_launch_serve_and_teardown_keep_to_the_work_dir(tmp_path: Path, monkeypa
         pids = adapter.engine_pids()
         aligned = list(range(100, 100 + 2 * BLOCK_SIZE))
         first = adapter.serve_prompt(aligned)
-        adapter.flush_persistent()  # with no hot cache the blocks land on SSD asynchronously
+        adapter.persistent_tier().flush()  # with no hot cache the blocks land on SSD asynchronously
         exact = adapter.serve_prompt(aligned)
         assert (first.cached_tokens, exact.cached_tokens) == (0, 2 * BLOCK_SIZE - 1)
         assert exact.output == first.output
         partial = aligned + list(range(900, 940))
         assert adapter.serve_prompt(partial).cached_tokens == 2 * BLOCK_SIZE
-        adapter.flush_persistent()
-        files = adapter.persisted_entries()
+        adapter.persistent_tier().flush()
+        files = adapter.persistent_tier().files()
         assert len(files) == 2  # the partial block (40 tokens) is not stored
         block_bytes = adapter.model.block_bytes(BLOCK_SIZE)
         assert all(block_bytes <= f.stat().st_size < block_bytes + 4096 for f in files)
