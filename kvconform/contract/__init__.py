@@ -3,7 +3,7 @@
 Suites and adapters import from here; the harness never imports an adapter or an engine.
 """
 
-from kvconform.contract.adapter import EngineAdapter, token_chunks_before_drop
+from kvconform.contract.adapter import EngineAdapter
 from kvconform.contract.capabilities import Capability
 from kvconform.contract.facets import (
     ActiveBlockTracker,
@@ -13,6 +13,7 @@ from kvconform.contract.facets import (
     Handoff,
     IndexBlock,
     IndexEvent,
+    InstanceChurn,
     KvTransfer,
     Outcome,
     PersistentTier,
@@ -52,6 +53,7 @@ __all__ = [
     "Handoff",
     "IndexBlock",
     "IndexEvent",
+    "InstanceChurn",
     "KvTransfer",
     "LastToken",
     "ModelShape",
@@ -72,5 +74,4 @@ __all__ = [
     "TransferResult",
     "poll_until",
     "seconds_until_steady",
-    "token_chunks_before_drop",
 ]

@@ -9,20 +9,18 @@ pattern): declaring a capability is a promise the method works.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from abc import ABC
 from dataclasses import asdict
 from typing import Any, ClassVar
 
 import pytest
-import requests
 
 from kvconform import envs, timing
 from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
 from kvconform.contract.facets import (
     ActiveBlockTracker,
+    InstanceChurn,
     KvTransfer,
     PersistentTier,
     RadixCache,
@@ -37,16 +35,14 @@ from kvconform.contract.types import (
     LaunchProfile,
     ModelShape,
     ReleaseTwice,
-    SecondRelease,
     ServedPrompt,
 )
 from kvconform.envs import BuiltEnv
-from kvconform.errors import EngineError, UsageError
+from kvconform.errors import UsageError
 from kvconform.events import EventLedger
-from kvconform.kit.server import wait_http_ok
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
-from kvconform.metrics import MetricSnapshot, parse_prometheus
+from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
 from kvconform.results import Measure
@@ -91,7 +87,6 @@ class EngineAdapter(ABC):
         self.ctx = ctx
         self.config: EngineConfig | None = None
         self.base_url: str | None = ctx.url
-        self._sessions = threading.local()
         self.ledger = EventLedger()
         self.subscriber: ZmqEventSubscriber | None = None
         self._env: BuiltEnv | None = None
@@ -108,18 +103,6 @@ class EngineAdapter(ABC):
         if profile.block_size is not None:
             self.default_block_size = profile.block_size
         return profile
-
-    @property
-    def http(self) -> requests.Session:
-        """An HTTP session per thread: samplers scrape while checks send requests."""
-        session = getattr(self._sessions, "session", None)
-        if session is None:
-            session = self._sessions.session = requests.Session()
-            name = self.name
-            session.hooks["response"].append(
-                lambda resp, *_a, **_k: timing.add_call(name, resp.elapsed.total_seconds())
-            )
-        return session
 
     # ---- identity -----------------------------------------------------------------------
     @property
@@ -268,22 +251,9 @@ class EngineAdapter(ABC):
     def running(self) -> bool:
         return self.config is not None
 
-    health_path: ClassVar[str] = "/health"
-
     def check_reachable(self) -> None:
-        """Attach mode: one quick request; a UsageError names the engine and the URL."""
-        url = self.url(self.health_path)
-        try:
-            resp = self.http.get(url, timeout=5)
-        except requests.RequestException as exc:
-            reason = type(exc).__name__
-            if isinstance(exc, requests.ConnectionError):
-                reason = "connection refused or host unreachable"
-            raise UsageError(f"engine {self.name} at {self.ctx.url} is unreachable ({reason})") from None
-        if resp.status_code != 200:
-            raise UsageError(
-                f"engine {self.name} at {self.ctx.url}: {self.health_path} answered HTTP {resp.status_code}"
-            )
+        """Attach mode: one quick request to the engine at ctx.url; a UsageError names both."""
+        raise UsageError(f"engine {self.name} has no server API to attach to at {self.ctx.url}")
 
     def close(self) -> None:
         if not self.attached:
@@ -349,58 +319,16 @@ class EngineAdapter(ABC):
         from the prefill rather than computed, where the engine says (absent: not judged)."""
         raise NotImplementedError
 
-    def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
-        return {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
-
-    def openai_completion(self, tokens: list[int], max_tokens: int, **extra: Any) -> ServedPrompt:
-        """POST /v1/completions (OpenAI-compatible) and read the cached tokens it reports."""
-        data = self.post_json("/v1/completions", {**self.completion_body(tokens, max_tokens), **extra})
-        return self.served_from_openai(data, tokens)
-
-    def served_from_openai(self, data: Any, tokens: list[int]) -> ServedPrompt:
-        if not isinstance(data, dict):
-            raise EngineError(self.name, f"/v1/completions returned {type(data).__name__}, not an object")
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        if "cached_tokens" not in details:
-            raise EngineError(self.name, f"response lacks usage.prompt_tokens_details.cached_tokens: {usage}")
-        choice = (data.get("choices") or [{}])[0]
-        return ServedPrompt(
-            int(usage.get("prompt_tokens", len(tokens))),
-            int(details["cached_tokens"] or 0),
-            list(choice.get("token_ids") or []),
-        )
-
-    def open_stream(self, tokens: list[int], max_tokens: int) -> requests.Response:
-        """Start a streaming completion (`max_tokens` asked for); the response streams its
-        server-sent events. The one part of a streaming request an engine's API changes."""
-        resp = self._request(  # the adapter's own request path: its headers, its errors
-            "POST", "/v1/completions", json=self.completion_body(tokens, max_tokens, stream=True), stream=True
-        )
-        if resp.status_code != 200:
-            said = resp.text[:200]
-            resp.close()
-            raise EngineError(self.name, f"streaming completion -> HTTP {resp.status_code}: {said}")
-        return resp
-
     def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
         """Start a streaming completion and drop the connection after `after_chunks` token
         chunks. Returns the token chunks received before the drop, 0 when the stream finished
         first (then no request was aborted)."""
-        resp = self.open_stream(tokens, max_tokens)
-        try:
-            return token_chunks_before_drop(resp.iter_lines(), after_chunks)
-        finally:
-            resp.close()
+        raise NotImplementedError
 
     def stream_outlives(self, tokens: list[int], max_tokens: int, seconds: float) -> bool:
         """Whether a streaming completion of `max_tokens` is still running `seconds` after it
         started (then the connection is dropped); False when it finished first."""
-        resp = self.open_stream(tokens, max_tokens)
-        try:
-            return stream_runs_past(resp.iter_lines(), seconds)
-        finally:
-            resp.close()
+        raise NotImplementedError
 
     def requests_in_flight(self) -> int | None:
         """Requests the engine runs or queues now, by its live count (not a gauge refreshed
@@ -408,7 +336,9 @@ class EngineAdapter(ABC):
         return None
 
     def healthy(self) -> bool:
-        return wait_http_ok(self.http, self.url(self.health_path), timeout=5.0)
+        """Whether the engine answers now (after a request failed: the next check relaunches
+        it if not)."""
+        return self.running()
 
     def kv_pool_bytes(self) -> int:
         """Bytes of the device KV pool the suite configured."""
@@ -526,33 +456,15 @@ class EngineAdapter(ABC):
         """The router's active-block tracker (a service the adapter starts on first use)."""
         raise NotImplementedError
 
-    # ---- memory churn (INSTANCE_CHURN) -------------------------------------------------
-    churn_paths: ClassVar[tuple[str, ...]] = ()
-
-    def churn_cycles(self, path: str, requested: int) -> int:
-        """Cycles to run for a release path (slow paths, e.g. a 30 s reaper, may run fewer)."""
-        return requested
-
-    def churn_warmup_path(self, path: str) -> str:
-        """Release path of the warm-up cycles (a cheaper one where the path is slow)."""
-        return path
-
-    def churn_warmup_cycles(self, path: str) -> int:
-        """Cycles run before the baseline, so allocator pools and caches settle (RSS-like
-        measures); fewer where every measure of the path is exact."""
-        return 2
-
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
-        """One instance lifecycle: create, load with `tokens`, release through `path`. What the
-        release left behind is what reclaim_probe() reads next; a release that fails raises."""
+    # ---- memory churn (INSTANCE_CHURN, INSTANCE_REGISTRY) --------------------------------
+    def instance_churn(self) -> InstanceChurn:
+        """Instances made and released through the engine's release paths (available before
+        the engine starts: the suite reads its paths first)."""
         raise NotImplementedError
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
-        """Memory that must come back after a release, by measure."""
-        raise NotImplementedError
-
-    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
-        """Release one instance through `path`, then release it again; what each answer was."""
+        """Memory that must come back after a release (and stay flat over a long session), by
+        measure."""
         raise NotImplementedError
 
     # ---- memory -------------------------------------------------------------------------
@@ -562,52 +474,6 @@ class EngineAdapter(ABC):
 
     def memory_sample(self) -> MemorySample:
         return sample_processes(self.engine_pids())
-
-    # ---- helpers for HTTP engines ---------------------------------------------------------
-    # `base`: another server of the same engine (a decode instance, a worker's system port)
-    # instead of base_url, with the same timeouts and errors.
-    def url(self, path: str, base: str | None = None) -> str:
-        root = base or self.base_url
-        if root is None:
-            raise EngineError(self.name, "not started")
-        return root.rstrip("/") + path
-
-    def get_json(self, path: str, timeout: float | None = None) -> Any:
-        resp = self._request("GET", path, timeout=timeout)
-        return self._json(resp, path)
-
-    def post_json(
-        self, path: str, body: Any = None, timeout: float | None = None, base: str | None = None
-    ) -> Any:
-        resp = self._request("POST", path, json=body, timeout=timeout, base=base)
-        return self._json(resp, path)
-
-    def scrape(self, path: str = "/metrics", base: str | None = None) -> MetricSnapshot:
-        resp = self._request("GET", path, base=base)
-        return parse_prometheus(resp.text, self.name, f"{base or ''}{path}")
-
-    def _request(
-        self, method: str, path: str, timeout: float | None = None, base: str | None = None, **kw: Any
-    ) -> requests.Response:
-        what = f"{method} {base or ''}{path}"
-        try:
-            resp = self.http.request(
-                method, self.url(path, base), timeout=timeout or self.ctx.request_timeout_s, **kw
-            )
-        except requests.RequestException as exc:
-            self._suspect = f"{what} failed: {type(exc).__name__}"
-            raise EngineError(self.name, f"{what} failed: {exc}", self.log_tail()) from None
-        if resp.status_code >= 400:
-            raise EngineError(
-                self.name, f"{what} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
-            )
-        return resp
-
-    def _json(self, resp: requests.Response, path: str) -> Any:
-        try:
-            return resp.json()
-        except ValueError:
-            raise EngineError(self.name, f"{path} returned non-JSON: {resp.text[:200]!r}") from None
 
     def log_tail(self, lines: int = 40) -> str:
         return ""
@@ -622,47 +488,3 @@ class EngineAdapter(ABC):
     def describe_logs(self) -> dict[str, str]:
         """Log tails by process name, attached to the report on failure."""
         return {}
-
-
-def _sse_chunk(line: bytes) -> bool | None:
-    """A server-sent event line: True for a chunk that ends the stream (`[DONE]`, or a finish
-    reason: OpenAI's choices[].finish_reason, SGLang's meta_info.finish_reason), False for
-    another chunk, None for what is not a data chunk."""
-    if not line.startswith(b"data:"):
-        return None
-    body = line[5:].strip()
-    if body == b"[DONE]":
-        return True
-    try:
-        chunk = json.loads(body)
-    except ValueError:
-        return None
-    choices = chunk.get("choices") or [{}]
-    return bool(choices[0].get("finish_reason") or (chunk.get("meta_info") or {}).get("finish_reason"))
-
-
-def token_chunks_before_drop(lines: Any, after_chunks: int) -> int:
-    """Read server-sent events until `after_chunks` token chunks came: their count, or 0 if the
-    stream ended first."""
-    received = 0
-    for line in lines:
-        ended = _sse_chunk(line)
-        if ended is None:
-            continue
-        if ended:
-            return 0
-        received += 1
-        if received >= after_chunks:
-            return received
-    return 0
-
-
-def stream_runs_past(lines: Any, seconds: float) -> bool:
-    """Read server-sent events until `seconds` have passed (True) or the stream ended (False)."""
-    start = time.monotonic()
-    for line in lines:
-        if _sse_chunk(line):
-            return False
-        if time.monotonic() - start >= seconds:
-            return True
-    return False

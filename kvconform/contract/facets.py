@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from kvconform.contract.types import TransferResult
+from kvconform.contract.types import SecondRelease, TransferResult
 from kvconform.processes import TeardownReport
 
 
@@ -238,6 +238,37 @@ class TraceReplay(ABC):
     @abstractmethod
     def replay(self, trace: list[TracedRequest], setup: ReplaySetup) -> list[ReplayedRequest]:
         """Every request of `trace`, in arrival order."""
+
+
+class InstanceChurn(ABC):
+    """Engine instances made, loaded and released over and over (INSTANCE_CHURN), through each
+    release path the engine has (unregister, a reaper, close, destroy, a whole restart...).
+    What a release left behind is what the adapter's reclaim_probe() reads next."""
+
+    paths: tuple[str, ...] = ()
+
+    @abstractmethod
+    def cycle(self, path: str, index: int, tokens: list[int]) -> None:
+        """One instance lifecycle: create, load with `tokens`, release through `path`; a
+        release that fails raises."""
+
+    def cycles(self, path: str, requested: int) -> int:
+        """Cycles to run for a release path (slow paths, e.g. a 30 s reaper, may run fewer)."""
+        return requested
+
+    def warmup_path(self, path: str) -> str:
+        """Release path of the warm-up cycles (a cheaper one where the path is slow)."""
+        return path
+
+    def warmup_cycles(self, path: str) -> int:
+        """Cycles run before the baseline, so allocator pools and caches settle (RSS-like
+        measures); fewer where every measure of the path is exact."""
+        return 2
+
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        """INSTANCE_REGISTRY: release one instance through `path`, then release it again;
+        what each answer was."""
+        raise NotImplementedError(f"{type(self).__name__} has no instance registry")
 
 
 class PersistentTier(ABC):

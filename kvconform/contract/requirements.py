@@ -19,8 +19,8 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.FORCED_EVICTION: ("cache_capacity_tokens",),
     C.CACHE_SALT: ("serve_salted",),
     C.HOST_MEMORY: ("engine_pids",),
-    C.INSTANCE_CHURN: ("churn_cycle", "reclaim_probe"),
-    C.INSTANCE_REGISTRY: ("second_release",),
+    C.INSTANCE_CHURN: ("instance_churn", "reclaim_probe"),
+    C.INSTANCE_REGISTRY: ("instance_churn",),
     C.LONG_SESSION: ("kv_pool_bytes",),
     C.OFFLOAD_GAUGES: ("metrics",),
     C.OFFLOAD_STORE_FAILURE: ("set_store_failure", "metrics"),
@@ -46,8 +46,6 @@ def missing_methods(cls: type[EngineAdapter]) -> dict[C, list[str]]:
     missing: dict[C, list[str]] = {}
     for capability in sorted(cls.capabilities):
         stubs = [m for m in METHODS.get(capability, ()) if getattr(cls, m) is getattr(EngineAdapter, m)]
-        if capability is C.INSTANCE_CHURN and not cls.churn_paths:
-            stubs.append("churn_paths (no release path named)")
         if stubs:
             missing[capability] = stubs
     return missing

@@ -1,63 +1,60 @@
 """Instance churn by whole-server restarts, for an engine whose instance is its server: start
 (if not running), load, stop; the process tree must be gone and its /dev/shm files removed,
-every cycle. An adapter composes it before EngineAdapter in its bases."""
+every cycle. An adapter keeps one (it counts the leftovers across cycles) and returns it from
+instance_churn(); its reclaim_probe() reports leftover_measures()."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from kvconform.contract import EngineConfig
+from kvconform.contract import EngineConfig, InstanceChurn
 from kvconform.memory import MemoryMeasure
+from kvconform.processes import TeardownReport
 
 if TYPE_CHECKING:
     from kvconform.contract import EngineAdapter
 
-    _Base = EngineAdapter
-else:
-    _Base = object
-
 RESTART = "restart"
 
 
-class RestartChurn(_Base):
-    churn_paths: ClassVar[tuple[str, ...]] = (RESTART,)
-    # Each cycle is a server start of 35-65 s on CPU. Every restart measure is exact and
-    # cumulative (leftover processes and files, the pool's block count), so one leak shows in
-    # the final delta from the first cycle on; a second cycle gives the slope its third point.
-    restart_cycles: ClassVar[int] = 2
+class RestartChurn(InstanceChurn):
+    paths = (RESTART,)
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
+    def __init__(self, engine: EngineAdapter, restart_cycles: int = 2) -> None:
+        # Each cycle is a server start of 35-65 s on CPU. Every restart measure is exact and
+        # cumulative (leftover processes and files, the pool's block count), so one leak shows
+        # in the final delta from the first cycle on; a second cycle gives the slope its third
+        # point.
+        self.engine = engine
+        self.restart_cycles = restart_cycles
+        # What the stopped servers left (and the teardown removed), cumulative over cycles; an
+        # adapter may count more kinds (Dynamo: discovery registrations).
+        self.leftovers: dict[str, int] = {"processes": 0, "shm_bytes": 0}
+
+    def cycle(self, path: str, index: int, tokens: list[int]) -> None:
         if path != RESTART:
-            raise NotImplementedError(f"engine {self.name} has no release path {path!r}")
-        self.ensure(self.config or EngineConfig())
+            raise NotImplementedError(f"engine {self.engine.name} has no release path {path!r}")
+        self.engine.ensure(self.engine.config or EngineConfig())
         for shift in range(3):
-            self.serve_prompt(tokens[: len(tokens) - shift])
-        reports = self.stop()
-        left = self.restart_leftovers()
-        for report in reports:
-            left["processes"] += len(report.leftover_processes)
-            left["shm_bytes"] += sum(report.leftover_shm.values())
+            self.engine.serve_prompt(tokens[: len(tokens) - shift])
+        self.count(self.engine.stop())
 
-    def churn_cycles(self, path: str, requested: int) -> int:
+    def count(self, reports: list[TeardownReport]) -> None:
+        for report in reports:
+            self.leftovers["processes"] += len(report.leftover_processes)
+            self.leftovers["shm_bytes"] += sum(report.leftover_shm.values())
+
+    def cycles(self, path: str, requested: int) -> int:
         return min(requested, self.restart_cycles)
 
-    def churn_warmup_path(self, path: str) -> str:
-        return path
-
-    def churn_warmup_cycles(self, path: str) -> int:
+    def warmup_cycles(self, path: str) -> int:
         # Every restart measure is exact (leftovers counted at teardown, the pool's own block
         # count): nothing to settle. One cycle still runs, so the baseline, like every cycle
         # after it, is read with the server stopped.
         return 1
 
-    def restart_leftovers(self) -> dict[str, int]:
-        """What the stopped servers left (and the teardown removed), cumulative over cycles."""
-        if not hasattr(self, "_restart_leftovers"):
-            self._restart_leftovers = {"processes": 0, "shm_bytes": 0}
-        return self._restart_leftovers
-
-    def restart_leftover_measures(self) -> dict[str, MemoryMeasure]:
-        left = self.restart_leftovers()
+    def leftover_measures(self) -> dict[str, MemoryMeasure]:
+        left = self.leftovers
         return {
             # Counted at teardown, so they cannot move inside one server's life: a long session
             # judges the KV an engine holds, never these (holds_kv False).

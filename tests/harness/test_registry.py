@@ -3,34 +3,32 @@ behind it, naming the capability, the methods and the class; every shipped adapt
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 
 from kvconform import registry
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, ServedPrompt
+from kvconform.contract import EngineAdapter, InstanceChurn, ServedPrompt
 from kvconform.contract.requirements import METHODS, missing_methods
 from kvconform.errors import UsageError
 from kvconform.memory import MemoryMeasure
 
 
 class HalfDoneAdapter(EngineAdapter):
-    """Declares prefix reuse and churn; implements churn_cycle but not reclaim_probe."""
+    """Declares prefix reuse and churn; returns its churn facet but has no reclaim_probe."""
 
     name = "half-done"
     capabilities = frozenset({C.PREFIX_CACHE, C.INSTANCE_CHURN})
-    churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         raise AssertionError("never called")
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
+    def instance_churn(self) -> InstanceChurn:
         raise AssertionError("never called")
 
 
-class NoPathAdapter(HalfDoneAdapter):
-    churn_paths: ClassVar[tuple[str, ...]] = ()
+class NoFacetAdapter(EngineAdapter):
+    name = "no-facet"
+    capabilities = frozenset({C.INSTANCE_CHURN, C.INSTANCE_REGISTRY})
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         raise AssertionError("never called")
@@ -54,8 +52,11 @@ def test_a_declared_capability_without_its_methods_is_refused_at_registration() 
     assert "prefix_cache" not in text, "serve_prompt is provided"
 
 
-def test_churn_needs_a_release_path() -> None:
-    assert missing_methods(NoPathAdapter) == {C.INSTANCE_CHURN: ["churn_paths (no release path named)"]}
+def test_a_facet_capability_needs_its_facet() -> None:
+    assert missing_methods(NoFacetAdapter) == {
+        C.INSTANCE_CHURN: ["instance_churn"],
+        C.INSTANCE_REGISTRY: ["instance_churn"],
+    }
 
 
 def test_every_listed_method_is_a_contract_stub() -> None:

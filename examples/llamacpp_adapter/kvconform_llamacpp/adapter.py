@@ -37,11 +37,13 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     LastToken,
     ModelShape,
     ServedPrompt,
 )
 from kvconform.errors import EngineError, UsageError
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure
@@ -57,7 +59,7 @@ PROCESSED_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
 
 
-class LlamaCppAdapter(RestartChurn, EngineAdapter):
+class LlamaCppAdapter(HttpApi, EngineAdapter):
     name = "llamacpp"
     env_spec = "llamacpp"
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).
@@ -98,6 +100,7 @@ class LlamaCppAdapter(RestartChurn, EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.churn = RestartChurn(self)
         self.server: LaunchedServer | None = None
 
     def unsupported(self) -> dict[Capability, str]:
@@ -240,10 +243,13 @@ class LlamaCppAdapter(RestartChurn, EngineAdapter):
         return self.ctx_tokens * self.model.kv_bytes_per_token()
 
     # ---- memory churn: a llama-server instance is its process -------------------------
+    def instance_churn(self) -> InstanceChurn:
+        return self.churn
+
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         # What stopped servers left behind (exact, cumulative). These do not move with the KV
         # a running server holds, so the long session judges the engine by RSS alone.
-        left = self.restart_leftovers()
+        left = self.churn.leftovers
         return {
             "restart_leftover_processes": MemoryMeasure(left["processes"], True, "processes", holds_kv=False),
             "restart_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True, holds_kv=False),

@@ -29,6 +29,7 @@ from kvconform.contract import (
     ModelShape,
     ServedPrompt,
 )
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
@@ -36,7 +37,7 @@ from kvconform.processes import TeardownReport, free_port
 C = Capability
 
 
-class ExampleAdapter(EngineAdapter):
+class ExampleAdapter(HttpApi, EngineAdapter):
     name = "example-ref"
     env_spec = None
     default_block_size = 16

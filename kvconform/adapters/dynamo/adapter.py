@@ -25,6 +25,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     ModelShape,
     RouterIndex,
     ServedPrompt,
@@ -34,6 +35,7 @@ from kvconform.contract import (
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.events import StreamedLedger
 from kvconform.kit.drivers import DriverProcess, engine_side_script, live_driver
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.kit.zmq_events import ZmqEventSubscriber
@@ -56,7 +58,7 @@ DISAGG_BANDWIDTH_GBPS = 10.0
 SPEEDUP_RATIO = 1
 
 
-class DynamoAdapter(RestartChurn, EngineAdapter):
+class DynamoAdapter(HttpApi, EngineAdapter):
     name = "dynamo"
     env_spec = "dynamo"
     default_block_size = 16
@@ -113,6 +115,7 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.churn = RestartChurn(self)
         self.frontend: LaunchedServer | None = None
         self.mockers: list[LaunchedServer] = []
         self.driver: DriverProcess | None = None
@@ -308,8 +311,8 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         self.config = None
         if self._stack is not None:
             left = self.leftover_registrations(self._stack)
-            self.restart_leftovers().setdefault("registrations", 0)
-            self.restart_leftovers()["registrations"] += len(left)
+            self.churn.leftovers.setdefault("registrations", 0)
+            self.churn.leftovers["registrations"] += len(left)
             if left:
                 notes = [f"left {len(left)} registrations, e.g. {left[:3]}"]
                 reports.append(TeardownReport("dynamo discovery", None, 0.0, False, notes=notes))
@@ -325,11 +328,14 @@ class DynamoAdapter(RestartChurn, EngineAdapter):
         root = stack / "kv"
         return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
+    def instance_churn(self) -> InstanceChurn:
+        return self.churn
+
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """What the stopped stacks left, cumulative over restarts: processes and /dev/shm files
         (RestartChurn) and file-discovery registrations."""
-        measures = self.restart_leftover_measures()
-        registrations = self.restart_leftovers().get("registrations", 0)
+        measures = self.churn.leftover_measures()
+        registrations = self.churn.leftovers.get("registrations", 0)
         measures["restart_leftover_registrations"] = MemoryMeasure(
             registrations, True, "registrations", holds_kv=False
         )

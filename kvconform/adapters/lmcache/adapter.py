@@ -26,6 +26,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     ModelShape,
     PersistentTier,
     RemoteStore,
@@ -36,6 +37,7 @@ from kvconform.contract import (
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
 from kvconform.kit.drivers import DriverProcess, live_driver
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier, StoreTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes, threads_measure
@@ -70,7 +72,7 @@ def check(argv):
 """
 
 
-class LmcacheAdapter(EngineAdapter):
+class LmcacheAdapter(HttpApi, EngineAdapter):
     name = "lmcache"
     env_spec = "lmcache"
     default_block_size = 256  # LMCache's chunk size
@@ -125,7 +127,6 @@ class LmcacheAdapter(EngineAdapter):
             "l2_store_completed_requests",
         }
     )
-    churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close", "destroy")
     health_path = "/healthcheck"
 
     def unsupported(self) -> dict[Capability, str]:
@@ -451,11 +452,8 @@ class LmcacheAdapter(EngineAdapter):
             time.sleep(0.1)
 
     # ---- instance churn -------------------------------------------------------------------
-    def churn_cycles(self, path: str, requested: int) -> int:
-        return min(requested, 2) if path == "reaper" else requested  # ~37 s per reap
-
-    def churn_warmup_path(self, path: str) -> str:
-        return "unregister" if path == "reaper" else path
+    def instance_churn(self) -> InstanceChurn:
+        return LmcacheChurn(self)
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         self.churn_path = path
@@ -580,7 +578,7 @@ class LmcacheAdapter(EngineAdapter):
             **gpu_measures(sample),
         }
 
-    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+    def unregister_twice(self, tokens: list[int]) -> SecondRelease:
         client = self._churn_client()
         instance_id = self._next_instance_id()
         client.call(
@@ -650,9 +648,6 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             C.FORCED_EVICTION,
         }
     )
-    # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process
-    # engine, which has no Redis here (its fs-L2 churn is judged on `lmcache`).
-    churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close")
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -730,3 +725,27 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     def cleanup_workdir(self) -> None:
         super().cleanup_workdir()
         shutil.rmtree(self.ctx.workdir / "redis-data", ignore_errors=True)
+
+
+class LmcacheChurn(InstanceChurn):
+    """Instances of the LMCache server (its clients register, store, retrieve and release) and,
+    where the engine has no remote L2, LMCache's in-process engine."""
+
+    def __init__(self, engine: LmcacheAdapter) -> None:
+        self.engine = engine
+        # The MP server's release paths; `destroy` is LMCache's in-process engine, which has no
+        # Redis here (lmcache-redis: its fs-L2 churn is judged on `lmcache`).
+        redis = isinstance(engine, LmcacheRedisAdapter)
+        self.paths = ("unregister", "reaper", "close") + (() if redis else ("destroy",))
+
+    def cycle(self, path: str, index: int, tokens: list[int]) -> None:
+        self.engine.churn_cycle(path, index, tokens)
+
+    def cycles(self, path: str, requested: int) -> int:
+        return min(requested, 2) if path == "reaper" else requested  # ~37 s per reap
+
+    def warmup_path(self, path: str) -> str:
+        return "unregister" if path == "reaper" else path
+
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        return self.engine.unregister_twice(tokens)

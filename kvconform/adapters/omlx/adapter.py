@@ -52,6 +52,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     ModelShape,
     PersistentTier,
     SecondRelease,
@@ -59,6 +60,7 @@ from kvconform.contract import (
 )
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, sample_processes, threads_measure
@@ -107,7 +109,7 @@ def token_ids(text: str) -> list[int]:
     return [int(m.group(1)) for m in WORD.finditer(text or "")]
 
 
-class OmlxAdapter(EngineAdapter):
+class OmlxAdapter(HttpApi, EngineAdapter):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
     default_block_size = BLOCK_SIZE
@@ -135,7 +137,6 @@ class OmlxAdapter(EngineAdapter):
     )
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
     # "unregister" path, an instance released from an engine that keeps running.
-    churn_paths: ClassVar[tuple[str, ...]] = ("unregister",)
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "omlx_total_prompt_tokens",
         "prefix_hits": "omlx_total_cached_tokens",
@@ -629,9 +630,10 @@ class OmlxAdapter(EngineAdapter):
             self.serve_prompt(tokens[: len(tokens) - shift])
         return self._model_action(UNLOAD)
 
-    def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
-        if path not in self.churn_paths:
-            raise NotImplementedError(f"engine {self.name} has no release path {path!r}")
+    def instance_churn(self) -> InstanceChurn:
+        return OmlxChurn(self)
+
+    def unload_cycle(self, tokens: list[int]) -> None:
         self.ensure(self.config or EngineConfig())
         unloaded = self._load_serve_unload(tokens)
         if unloaded.status_code != 200:
@@ -655,7 +657,7 @@ class OmlxAdapter(EngineAdapter):
             "server_rss_bytes": MemoryMeasure(server.rss, exact=False),
         }
 
-    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+    def unload_twice(self, tokens: list[int]) -> SecondRelease:
         """Unload twice: oMLX answers the second with 400 "Model not loaded" (routes.py:1931)."""
         first = self._load_serve_unload(tokens)
         second = self._model_action(UNLOAD)
@@ -674,3 +676,20 @@ class OmlxAdapter(EngineAdapter):
 
     def describe_logs(self) -> dict[str, str]:
         return {"omlx serve": self.log_tail(80)} if self.server else {}
+
+
+class OmlxChurn(InstanceChurn):
+    """A model of oMLX's engine pool loaded, served and unloaded through the admin API."""
+
+    paths = ("unregister",)
+
+    def __init__(self, engine: OmlxAdapter) -> None:
+        self.engine = engine
+
+    def cycle(self, path: str, index: int, tokens: list[int]) -> None:
+        if path not in self.paths:
+            raise NotImplementedError(f"engine {self.engine.name} has no release path {path!r}")
+        self.engine.unload_cycle(tokens)
+
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        return self.engine.unload_twice(tokens)

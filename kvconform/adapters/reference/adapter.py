@@ -22,6 +22,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     KvTransfer,
     ModelShape,
     PersistentTier,
@@ -33,6 +34,7 @@ from kvconform.contract import (
 from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.disk import HEADER as DISK_HEADER
 from kvconform.errors import EngineError
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_measures, nvml, sample_processes
@@ -47,7 +49,7 @@ OFFLOAD_CHUNKS = 64
 DISK_HEADER_BYTES = DISK_HEADER.size
 
 
-class ReferenceAdapter(EngineAdapter):
+class ReferenceAdapter(HttpApi, EngineAdapter):
     name = "reference"
     env_spec = None
     pytest_options = ("fault",)  # --fault, added by kvconform.adapters.reference.options
@@ -102,7 +104,6 @@ class ReferenceAdapter(EngineAdapter):
         "l2_store_submitted": "kvref_disk_store_submitted_total",
         "l2_store_completed": "kvref_disk_store_completed_total",
     }
-    churn_paths: ClassVar[tuple[str, ...]] = ("unregister", "reaper", "close", "restart", "destroy")
     event_settle_s: ClassVar[float] = 0.3  # events leave the engine with each response
     shm_prefix = "kvconform-ref-"
 
@@ -255,8 +256,8 @@ class ReferenceAdapter(EngineAdapter):
         self.churn_path = None  # every check starts outside instance churn
         super().ensure(config)
 
-    def churn_warmup_path(self, path: str) -> str:
-        return "unregister" if path == "reaper" else path  # same probe, no reaper wait
+    def instance_churn(self) -> InstanceChurn:
+        return ReferenceChurn(self)
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         """One lifecycle per release path:
@@ -266,7 +267,7 @@ class ReferenceAdapter(EngineAdapter):
         close: create, load, then the server closes with the instance still registered;
         restart: serve requests, stop the server (its whole tree), start it again;
         destroy: create an in-process engine, store the prompt's KV in it, destroy it."""
-        if path not in self.churn_paths:
+        if path not in ReferenceChurn.paths:
             raise NotImplementedError(f"reference engine has no release path {path!r}")
         self.churn_path = path
         instance_id = f"churn-{path}-{index}"
@@ -370,7 +371,7 @@ class ReferenceAdapter(EngineAdapter):
                 measures["gpu_device_used_bytes"] = MemoryMeasure(sample.gpu.device_used, exact=True)
         return measures
 
-    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+    def release_instance_twice(self, path: str, tokens: list[int]) -> SecondRelease:
         instance_id = f"twice-{time.monotonic_ns()}"
         self.create_instance(instance_id, self.INSTANCE_BYTES)
         first = self.release_instance(instance_id, path)
@@ -544,3 +545,22 @@ class ReferenceTransfer(KvTransfer):
             bytes_received=received.json()["bytes"] if received.status_code == 200 else 0,
             detail={"aborted": result["aborted"]},
         )
+
+
+class ReferenceChurn(InstanceChurn):
+    """The reference engine's instances: registered over HTTP (unregister, a reaper for dead
+    clients, the server closing with them), a whole restart, or an in-process engine destroyed."""
+
+    paths = ("unregister", "reaper", "close", "restart", "destroy")
+
+    def __init__(self, engine: ReferenceAdapter) -> None:
+        self.engine = engine
+
+    def cycle(self, path: str, index: int, tokens: list[int]) -> None:
+        self.engine.churn_cycle(path, index, tokens)
+
+    def warmup_path(self, path: str) -> str:
+        return "unregister" if path == "reaper" else path  # same probe, no reaper wait
+
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        return self.engine.release_instance_twice(path, tokens)

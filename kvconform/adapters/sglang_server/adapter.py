@@ -69,12 +69,14 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     ModelShape,
     RadixCache,
     ServedPrompt,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
@@ -146,7 +148,7 @@ SERVER_METRICS: dict[str, str] = {
 }
 
 
-class SglangServerAdapter(RestartChurn, EngineAdapter):
+class SglangServerAdapter(HttpApi, EngineAdapter):
     name = "sglang-server"
     env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE
@@ -175,6 +177,7 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.churn = RestartChurn(self)
         self.server: LaunchedServer | None = None
         self._server_info: dict[str, Any] | None = None
         self._model_dir: Path | None = None
@@ -554,13 +557,16 @@ class SglangServerAdapter(RestartChurn, EngineAdapter):
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server is not None else []
 
+    def instance_churn(self) -> InstanceChurn:
+        return self.churn
+
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """What the restarted servers left (processes, /dev/shm bytes: RestartChurn); while one
         runs, the KV its requests hold by SGLang's own count (exact). On GPU runners, NVML:
         per-process GPU memory of the server's tree (exact; 0 bytes from a running CUDA build is
         an error) and device-wide used memory against the one before the first start
         (UNVERIFIED on a GPU: NVML mocked in tests/harness/test_gpu_specs.py)."""
-        measures = {} if self.attached else self.restart_leftover_measures()
+        measures = {} if self.attached else self.churn.leftover_measures()
         if self.running():
             measures["kv_tokens_held_bytes"] = MemoryMeasure(self.kv_tokens_held_bytes(), True)
         holds_cuda = self.running() and not self.attached and self.env().spec.gpu

@@ -68,6 +68,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, KvconformError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
@@ -379,7 +380,7 @@ class DrainingConsumer:
         self._thread.join(timeout=10)
 
 
-class TrtllmAdapter(EngineAdapter):
+class TrtllmAdapter(HttpApi, EngineAdapter):
     name = "trtllm"
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the adapter reads the real one from kvCacheStats.

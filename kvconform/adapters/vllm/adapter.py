@@ -18,6 +18,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    InstanceChurn,
     ModelShape,
     PersistentTier,
     ReleaseTwice,
@@ -27,6 +28,7 @@ from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
+from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
@@ -95,7 +97,7 @@ TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
 SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD): a few prompts' worth
 
 
-class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
+class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
     name = "vllm"
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
@@ -174,6 +176,7 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.churn = RestartChurn(self)
         self.server: LaunchedServer | None = None
         self._attached_block: int | None = None
         self._model_dir: Path | None = None
@@ -729,12 +732,15 @@ class VllmAdapter(DisaggregatedPair, RestartChurn, EngineAdapter):
         return body
 
     # ---- instance churn: whole-server restart cycles (RestartChurn) -----------------------
+    def instance_churn(self) -> InstanceChurn:
+        return self.churn
+
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """What the released servers left: processes and /dev/shm bytes found (and removed)
         at teardown, cumulative over cycles; on GPU runners NVML: per-process GPU memory of the
         running server's tree (exact; 0 bytes from a running CUDA build is an error) and the
         device-wide used memory against the one before the first start."""
-        measures = self.restart_leftover_measures()
+        measures = self.churn.leftover_measures()
         if self._serving and self.running():
             measures["kv_blocks_held_bytes"] = MemoryMeasure(self.kv_blocks_held_bytes(), True)
         holds_cuda = self._serving and self.running() and self.gpu_build()

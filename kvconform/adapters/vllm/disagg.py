@@ -43,9 +43,9 @@ from kvconform.metrics import MetricSnapshot
 from kvconform.processes import free_port
 
 if TYPE_CHECKING:
-    from kvconform.contract import EngineAdapter
+    from kvconform.kit.http_api import HttpApi
 
-    _Base = EngineAdapter
+    _Base = HttpApi  # the engine adapter, with its HTTP API
 else:
     _Base = object
 

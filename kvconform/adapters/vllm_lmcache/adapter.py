@@ -24,6 +24,7 @@ from kvconform.adapters.vllm.adapter import VllmAdapter
 from kvconform.contract import AdapterContext, Capability, EngineConfig, ModelShape, SecondRelease
 from kvconform.errors import EngineError
 from kvconform.kit.drivers import DriverProcess
+from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, sample_processes
 from kvconform.metrics import MetricSnapshot
@@ -80,7 +81,6 @@ class VllmLmcacheAdapter(VllmAdapter):
         }
     )
     eviction_period_s = L1_EVICTION_PERIOD_S
-    churn_paths: ClassVar[tuple[str, ...]] = ("restart",)
     # /reset_prefix_cache?reset_external=true -> Scheduler.reset_connector_cache ->
     # LMCacheMPConnector.reset_cache: CLEAR (force=False) to every LMCache server, which keeps
     # only objects locked by in-flight reads or writes (vllm_multi_process_adapter.py reset_cache).
@@ -98,6 +98,7 @@ class VllmLmcacheAdapter(VllmAdapter):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        self.churn = RegisteredRestartChurn(self)
         self.lmcache: LaunchedServer | None = None
         self.lmcache_rpc_port = 0
         self.lmcache_http = ""
@@ -266,7 +267,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         )
         return measures
 
-    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+    def unregister_twice(self, tokens: list[int]) -> SecondRelease:
         """A vLLM that exits releases its instance at the server (UNREGISTER on shutdown);
         a second one for that id, the RPC the worker sends (worker_transfer.py unregister),
         must be ignored or refused cleanly (engine_driven_transfer.py:358 logs an unknown id
@@ -340,3 +341,15 @@ def _registries(status: Any) -> list[list[Any]]:
     if isinstance(status, list):
         return [found for value in status for found in _registries(value)]
     return []
+
+
+class RegisteredRestartChurn(RestartChurn):
+    """vLLM restarts against one LMCache server, where each vLLM instance registers: a release
+    is vLLM's exit, a second release another UNREGISTER of the same instance."""
+
+    def __init__(self, engine: VllmLmcacheAdapter) -> None:
+        super().__init__(engine)
+        self.stack = engine
+
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        return self.stack.unregister_twice(tokens)

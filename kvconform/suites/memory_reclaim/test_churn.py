@@ -69,28 +69,27 @@ class ContinuousSampler(PeriodicSampler):
 def test_churn_returns_to_baseline(
     engine: EngineAdapter, path: str, prompts: PromptFactory, verdict: Verdict, request: pytest.FixtureRequest
 ) -> None:
-    if path not in engine.churn_paths:
-        pytest.skip(
-            f"engine {engine.name} has no release path {path!r} (has {', '.join(engine.churn_paths)})"
-        )
+    churn = engine.instance_churn()
+    if path not in churn.paths:
+        pytest.skip(f"engine {engine.name} has no release path {path!r} (has {', '.join(churn.paths)})")
     engine.ensure(EngineConfig())
-    cycles = engine.churn_cycles(path, request.config.getoption("--churn-cycles"))
+    cycles = churn.cycles(path, request.config.getoption("--churn-cycles"))
     bounds = bounds_for(request.config, engine)
     block = engine.block_size()
     system = prompts.fresh(4 * block)
-    for warmup in range(engine.churn_warmup_cycles(path)):  # allocator pools and caches settle first
-        engine.churn_cycle(engine.churn_warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
+    for warmup in range(churn.warmup_cycles(path)):  # allocator pools and caches settle first
+        churn.cycle(churn.warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
     baseline_measures = engine.reclaim_probe()
     baseline = settled(engine.reclaim_probe, None, window_s=1.0)
     values: dict[str, list[float]] = {name: [] for name in baseline}
-    most = max(cycles, engine.churn_cycles(path, MAX_CYCLE_FACTOR * cycles))
+    most = max(cycles, churn.cycles(path, MAX_CYCLE_FACTOR * cycles))
     step = max(2, cycles // 2)
     done = 0
     with ContinuousSampler(engine.reclaim_probe) as sampler:
         target = cycles
         while True:
             for cycle in range(done + 1, target + 1):
-                engine.churn_cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
+                churn.cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
                 post = settled(engine.reclaim_probe, baseline_measures)
                 for name in values:
                     values[name].append(post.get(name, float("nan")))
@@ -149,8 +148,8 @@ def test_churn_returns_to_baseline(
 def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     """Releasing an instance twice must be refused cleanly, and the engine stay healthy."""
     engine.ensure(EngineConfig())
-    path = engine.churn_paths[0]
-    result = engine.second_release(path, prompts.fresh(4 * engine.block_size()))
+    churn = engine.instance_churn()
+    result = churn.second_release(churn.paths[0], prompts.fresh(4 * engine.block_size()))
     verdict.record("answers", result.detail)
     verdict.equal("first_release_done", int(result.first_released), 1)
     verdict.equal("second_release_refused_cleanly", int(result.second_refused_cleanly), 1)

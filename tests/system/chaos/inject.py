@@ -160,15 +160,15 @@ class _FakeMetrics(BaseHTTPRequestHandler):
 def _patch_metrics() -> None:
     """Every adapter's /metrics goes to the fake while the target check runs (its fixtures
     included: a sampler may scrape during set-up)."""
-    from kvconform.contract.adapter import EngineAdapter
+    from kvconform.kit.http_api import HttpApi
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeMetrics)
     _FakeMetrics.mode = FAULT.split(":", 1)[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     fake = f"http://127.0.0.1:{server.server_address[1]}"
-    original = EngineAdapter.url
+    original = HttpApi.url
 
-    def url(self: EngineAdapter, path: str, base: str | None = None) -> str:
+    def url(self: HttpApi, path: str, base: str | None = None) -> str:
         real = original(self, path, base)
         if path == "/metrics" and _state["in_target"]:
             _FakeMetrics.upstream = real
@@ -178,7 +178,7 @@ def _patch_metrics() -> None:
             return fake + "/metrics"
         return real
 
-    EngineAdapter.url = url  # type: ignore[method-assign]
+    HttpApi.url = url  # type: ignore[method-assign]
 
 
 # ---- KV-event frames mangled on their way in ------------------------------------------------
