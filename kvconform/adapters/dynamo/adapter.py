@@ -28,6 +28,7 @@ from kvconform.contract import (
     InstanceChurn,
     ModelShape,
     RouterIndex,
+    SecondRelease,
     ServedPrompt,
     TraceReplay,
     poll_until,
@@ -56,6 +57,8 @@ DISAGG_BANDWIDTH_GBPS = 10.0
 # 1536 tokens took 0.25 s and an abort could not be told from a finished request). Prefill,
 # which most checks are made of, stays at tens of ms.
 SPEEDUP_RATIO = 1
+RELEASE_SETTLE_S = 10.0  # a stopped worker leaves the frontend's routable set within this
+SHUTDOWN_ERRORS = (" ERROR ", "panicked", "Traceback")  # a second shutdown that was not a no-op
 
 
 class DynamoAdapter(HttpApi, EngineAdapter):
@@ -68,12 +71,14 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.CACHE_SALT,  # nvext.cache_salt, pinned to one worker (serve_salted)
             C.BLOCK_SIZE_CONFIG,
             C.RESTART,
             C.FORCED_EVICTION,
             C.HOST_MEMORY,
             C.LONG_SESSION,
             C.INSTANCE_CHURN,  # whole-stack restarts (RestartChurn): frontend and mockers
+            C.INSTANCE_REGISTRY,  # a mocker leaving the frontend's discovery, its runtime shut down twice
             C.ABORT_REQUESTS,  # live request counts, the mockers' KV usage, their KV events
             C.KV_EVENTS,  # each mocker's vLLM-format ZMQ stream (--zmq-kv-events-ports), a ledger stream each
             C.ROUTER_PREDICTION,
@@ -111,11 +116,13 @@ class DynamoAdapter(HttpApi, EngineAdapter):
             # their request counts) and event ports are a team's own.
             why = "attached: the workers' event and system ports are not the suite's"
             gaps |= {C.ABORT_REQUESTS: why, C.KV_EVENTS: why}
+            gaps[C.INSTANCE_REGISTRY] = "attached: the workers are a team's own, the suite stops none"
         return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
-        self.churn = RestartChurn(self)
+        self.churn = DynamoChurn(self)
+        self.worker_released = False  # a check stopped one mocker: the next ensure relaunches all
         self.frontend: LaunchedServer | None = None
         self.mockers: list[LaunchedServer] = []
         self.driver: DriverProcess | None = None
@@ -160,6 +167,12 @@ class DynamoAdapter(HttpApi, EngineAdapter):
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
+
+    def ensure(self, config: EngineConfig | None = None) -> None:
+        if self.worker_released:  # the stack a check left one worker short is relaunched in full
+            self.worker_released = False
+            self.timed_stop()
+        super().ensure(config)
 
     def start(self, config: EngineConfig) -> None:
         if config.offload or config.persistent:
@@ -291,15 +304,53 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         ]
         return [*args, "--bootstrap-ports", str(free_port())] if role == "prefill" else args
 
-    def _all_workers_routable(self) -> bool:
+    def routable_workers(self) -> int | None:
+        """Workers the frontend routes the model to (its /health "generate" instances, the model
+        listed in /v1/models); None when the frontend does not answer."""
         try:
             health = self.http.get(self.url("/health"), timeout=2).json()
             models = self.http.get(self.url("/v1/models"), timeout=2).json()
         except (requests.RequestException, ValueError):
-            return False
-        routable = [i for i in health.get("instances", []) if i.get("endpoint") == "generate"]
-        listed = any(m.get("id") == MODEL_NAME for m in models.get("data", []))
-        return listed and len(routable) >= WORKERS
+            return None
+        if not any(m.get("id") == MODEL_NAME for m in models.get("data", [])):
+            return 0
+        return sum(1 for i in health.get("instances", []) if i.get("endpoint") == "generate")
+
+    def _all_workers_routable(self) -> bool:
+        return (self.routable_workers() or 0) >= WORKERS
+
+    def release_worker_twice(self) -> SecondRelease:
+        """Stop one mocker as Kubernetes does (SIGTERM). Its own code releases its runtime
+        twice: the signal handler's graceful_shutdown shuts each DistributedRuntime down, then
+        worker()'s finally shuts them down again (dynamo/mocker/main.py:34, :276-283). The
+        first release must take the worker out of the frontend's routable set, the second be a
+        no-op: the process exits 0 with both shutdowns logged and no error after them. The
+        stack stays one worker short until the next check's ensure relaunches it."""
+        before = self.routable_workers()
+        mocker = self.mockers.pop()
+        self.worker_released = True
+        report = mocker.stop()
+        after = before
+        deadline = time.monotonic() + RELEASE_SETTLE_S
+        while time.monotonic() < deadline and after == before:
+            time.sleep(0.2)
+            after = self.routable_workers()
+        lines = mocker.log_tail(200).splitlines()
+        first = next(
+            (i for i, line in enumerate(lines) if "DistributedRuntime shutdown complete" in line), None
+        )
+        later = lines[first + 1 :] if first is not None else []
+        second = any("Shutting down DistributedRuntime instances" in line for line in later)
+        errors = [
+            line for line in later if any(mark in line for mark in (" ERROR ", "panicked", "Traceback"))
+        ]
+        released = not report.forced_kill and before is not None and after is not None and after < before
+        return SecondRelease(
+            released,
+            second and report.exit_code == 0 and not errors,
+            f"{report.describe()}; routable workers {before} -> {after}; first shutdown logged: "
+            f"{first is not None}, second: {second}; errors after it: {errors[:3] or 'none'}",
+        )
 
     def stop(self) -> list[TeardownReport]:
         reports = [m.stop() for m in self.mockers]
@@ -379,6 +430,28 @@ class DynamoAdapter(HttpApi, EngineAdapter):
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
+
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        """nvext.cache_salt, Dynamo's salt API (ai-dynamo/dynamo#8197: salted requests are
+        routed and reused apart, their blocks hashed with the salt), every salted request sent
+        to the same worker (nvext.backend_instance_id): with two workers the router may place
+        two salts' requests apart, isolating them by placement alone; on one worker the
+        isolation is the backend's to keep."""
+        body = {
+            **self.completion_body(tokens, max_tokens),
+            "nvext": {"cache_salt": salt, "backend_instance_id": self.pinned_worker()},
+        }
+        return self.served_from_openai(self.post_json("/v1/completions", body), tokens)
+
+    def pinned_worker(self) -> int:
+        """The lowest instance id among the frontend's generate endpoints."""
+        health = self.get_json("/health")
+        ids = [i["instance_id"] for i in health.get("instances", []) if i.get("endpoint") == "generate"]
+        if not ids:
+            raise EngineError(
+                self.name, f"frontend /health lists no generate instance: {health}", self.log_tail()
+            )
+        return min(ids)
 
     def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         if self.config is None or not self.config.disaggregated:
@@ -522,3 +595,17 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         if self.driver is not None:
             logs["dynamo driver"] = self.driver.log_tail(60)
         return logs
+
+
+class DynamoChurn(RestartChurn):
+    """Whole-stack restarts; a second release is one worker's runtime shut down twice by its
+    own code."""
+
+    def __init__(self, engine: DynamoAdapter) -> None:
+        super().__init__(engine)
+        self.stack = engine
+
+    def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
+        self.stack.ensure(self.stack.config or EngineConfig())
+        self.stack.serve_prompt(tokens)
+        return self.stack.release_worker_twice()
