@@ -32,6 +32,7 @@ from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
     EngineConfig,
+    EngineTraits,
     LaunchProfile,
     ModelShape,
     ReleaseTwice,
@@ -43,7 +44,6 @@ from kvconform.events import EventLedger
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot
-from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
 from kvconform.results import Measure
 
@@ -54,28 +54,12 @@ class EngineAdapter(ABC):
     # The granularity of prefix reuse, in tokens; 1 for an engine that reuses any common prefix
     # token by token (no blocks). A launch profile may set an instance's own.
     default_block_size: int = 16
-    # What a fully cached prompt still computes (the last token's logits): LastToken.BLOCK (or
-    # True) the whole last block, LastToken.TOKEN only the last token, LastToken.NONE nothing
-    # (a cache store returns every stored block); the hit oracle follows it.
-    recomputes_last_token: ClassVar[bool | LastToken] = True
+    traits: ClassVar[EngineTraits] = EngineTraits()  # where oracles and waits follow the engine's design
     # Logical metric -> this engine's metric name (Prometheus sample name).
     metric_names: ClassVar[dict[str, str]] = {}
     # Logical counters the engine exports only after their first event (absent reads 0).
     lazy_counters: ClassVar[frozenset[str]] = frozenset()
     model: ModelShape = ModelShape()  # a launch profile may set an instance's own
-    workers: ClassVar[int] = 1  # serving workers behind the endpoint (a router spreads requests)
-    # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
-    # it (an engine that publishes gauges only per batch and on an idle timer).
-    idle_gauge_refresh_s: ClassVar[float] = 0.0
-    # Seconds the engine waits, by its own design, between a client's disconnect and the abort
-    # of its request (0: at once).
-    abort_delay_s: ClassVar[float] = 0.0
-    # Period of the loop that evicts from a full cache, for engines that evict in the
-    # background rather than when a store needs room (0: evicts on allocation).
-    eviction_period_s: ClassVar[float] = 0.0
-    # The engine publishes its offload read gauge as max(usage - write, 0) itself: judging that
-    # identity would prove nothing, so the check records it instead.
-    read_gauge_is_usage_minus_write: ClassVar[bool] = False
     # Environment spec, in the adapter package's envs/ (None: runs in the suite's own environment).
     env_spec: ClassVar[str | None] = None
     # Specs of the other processes of the engine's stack, built with it (`kvconform env build`).
@@ -360,12 +344,6 @@ class EngineAdapter(ABC):
         """Every iteration's block-pool stats reported by this engine instance, oldest first."""
         raise NotImplementedError
 
-    # Seconds an engine's publisher may take to send what a finished request emitted.
-    event_settle_s: ClassVar[float] = 1.0
-    # The engine numbers its event batches itself (False: the adapter numbers what it reads,
-    # so sequence gaps and regressions cannot show and are recorded, not judged).
-    event_seq_from_engine: ClassVar[bool] = True
-
     def open_event_subscriber(self) -> tuple[str, str]:
         """A fresh ledger (sequence numbers restart with each engine instance) and a SUB socket
         bound before the engine starts, for publishers in vLLM's ZMQ wire format.
@@ -386,7 +364,7 @@ class EngineAdapter(ABC):
         engine's replay socket. Returns how many batches replay filled."""
         if self.subscriber is None:
             return 0
-        time.sleep(self.event_settle_s)
+        time.sleep(self.traits.event_settle_s)
         return self.subscriber.fill_gaps()
 
     # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED, TIERED_STORE_METRICS) --------

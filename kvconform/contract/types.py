@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from kvconform.oracles import KvLayout
+from kvconform.oracles import KvLayout, LastToken
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,34 @@ class ModelShape:
     def state_bytes(self, layout: KvLayout) -> int:
         """One request's state, one index per component."""
         return sum(layout.state_bytes(self.layers, item) for item in self.state_components)
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """How an engine behaves by its own design, where an oracle or a wait must follow it. An
+    adapter sets only what differs from the default, and cites where the engine does so."""
+
+    # What a fully cached prompt still computes (the last token's logits): LastToken.BLOCK (or
+    # True) the whole last block, LastToken.TOKEN only the last token, LastToken.NONE (or False)
+    # nothing (a cache store returns every stored block); the hit oracle follows it.
+    recomputes_last_token: bool | LastToken = True
+    workers: int = 1  # serving workers behind the endpoint (a router spreads requests)
+    # Seconds an idle engine may keep publishing a gauge's last busy value before it refreshes
+    # it (an engine that publishes gauges only per batch and on an idle timer).
+    idle_gauge_refresh_s: float = 0.0
+    # Seconds the engine waits between a client's disconnect and the abort of its request.
+    abort_delay_s: float = 0.0
+    # Period of the loop that evicts from a full cache, for engines that evict in the
+    # background rather than when a store needs room (0: evicts on allocation).
+    eviction_period_s: float = 0.0
+    # The engine publishes its offload read gauge as max(usage - write, 0) itself: judging that
+    # identity would prove nothing, so the check records it instead.
+    read_gauge_is_usage_minus_write: bool = False
+    # Seconds an engine's publisher may take to send what a finished request emitted.
+    event_settle_s: float = 1.0
+    # The engine numbers its event batches itself (False: the adapter numbers what it reads,
+    # so sequence gaps and regressions cannot show and are recorded, not judged).
+    event_seq_from_engine: bool = True
 
 
 @dataclass(frozen=True)

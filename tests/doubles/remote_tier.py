@@ -6,7 +6,7 @@ Not an engine. The contract is the one LmcacheRedisAdapter implements (kvconform
   store        the remote server, a dict key -> bytes; it outlives the engine (stop/restart) and
                is stopped only by its down(), or emptied out of band by its wipe()
   chunks       one per whole block of the prompt (a cache store: every stored chunk is returned,
-               recomputes_last_token = False), keyed by a hash chain under "kvc-double@"; a value
+               traits.recomputes_last_token False), keyed by a hash chain under "kvc-double@"; a value
                is the chunk's KV (kv_bytes_per_token x block), its last 32 bytes a digest of the key
                and the rest, which the engine checks (length and digest) before serving a hit
   L1           local buffers (slots) indexed by chunk key, lost when the engine stops
@@ -30,7 +30,14 @@ import time
 from collections import OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, EngineConfig, PersistentTier, RemoteStore, ServedPrompt
+from kvconform.contract import (
+    Capability,
+    EngineConfig,
+    EngineTraits,
+    PersistentTier,
+    RemoteStore,
+    ServedPrompt,
+)
 from kvconform.engines.reference.faults import Fault
 from kvconform.errors import EngineError
 from kvconform.kit.persistent_tiers import StoreTier
@@ -356,7 +363,7 @@ class RemoteTierDouble(DoubleAdapter):
             Capability.REMOTE_TIER,
         }
     )
-    recomputes_last_token = False  # a cache store returns every stored chunk
+    traits = EngineTraits(recomputes_last_token=False)  # a cache store returns every stored chunk
     faults: ClassVar[dict[str, Fault]] = FAULTS
     slow_faults: ClassVar[tuple[str, ...]] = ("lost_remote_hangs_requests",)  # two requests x 31 s
     metric_names: ClassVar[dict[str, str]] = {

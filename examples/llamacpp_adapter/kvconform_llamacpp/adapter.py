@@ -37,6 +37,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     LastToken,
     ModelShape,
@@ -65,7 +66,7 @@ class LlamaCppAdapter(HttpApi, EngineAdapter):
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).
     default_block_size = 1
     # Fully cached prompt: n_past-- (server-context.cpp:3382-3386), one token recomputed.
-    recomputes_last_token = LastToken.TOKEN
+    traits = EngineTraits(recomputes_last_token=LastToken.TOKEN)
     # The tiny GGUF (make_gguf.py): 2 layers, 4 query heads, 2 KV heads of 64. The KV cache is
     # f16 (common/common.h:589-590, cache_type_k/v = GGML_TYPE_F16) whatever the weights' type.
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)

@@ -25,6 +25,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     ModelShape,
     RouterIndex,
@@ -66,7 +67,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
     env_spec = "dynamo"
     default_block_size = 16
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
-    workers: ClassVar[int] = WORKERS
+    traits = EngineTraits(workers=WORKERS)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -278,7 +279,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         return ["--zmq-kv-events-ports", str(events), "--zmq-replay-ports", str(replay)]
 
     def drain_events(self) -> int:
-        time.sleep(self.event_settle_s)
+        time.sleep(self.traits.event_settle_s)
         return sum(sub.fill_gaps() for sub in self.subscribers)
 
     def close_event_subscriber(self) -> None:

@@ -26,6 +26,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     ModelShape,
     PersistentTier,
@@ -76,8 +77,8 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
     name = "lmcache"
     env_spec = "lmcache"
     default_block_size = 256  # LMCache's chunk size
-    recomputes_last_token = False  # a cache store returns every stored chunk
-    eviction_period_s = L1_EVICTION_PERIOD_S
+    # a cache store returns every stored chunk; L1 evicts on a background loop
+    traits = EngineTraits(recomputes_last_token=False, eviction_period_s=L1_EVICTION_PERIOD_S)
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {
@@ -384,7 +385,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
         `lost` set is LMCache saying so itself (KVEventBatch)."""
         if self.client is None:
             return 0
-        time.sleep(self.event_settle_s)
+        time.sleep(self.traits.event_settle_s)
         got = self.client.call("take_events")
         if got.get("error"):
             raise EngineError(self.name, f"KV event subscription failed: {got['error']}", self.log_tail())

@@ -52,6 +52,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     ModelShape,
     PersistentTier,
@@ -116,7 +117,7 @@ class OmlxAdapter(HttpApi, EngineAdapter):
     # An exact block-aligned hit is served from N-1 tokens: oMLX trims the reconstructed cache
     # by one token to compute the last (omlx/scheduler.py, _trim_prompt_cache_for_generation),
     # where a block-granular cache drops the whole last block.
-    recomputes_last_token = LastToken.TOKEN
+    traits = EngineTraits(recomputes_last_token=LastToken.TOKEN)
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
     capabilities = frozenset(
         {

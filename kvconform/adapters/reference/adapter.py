@@ -22,6 +22,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     KvTransfer,
     ModelShape,
@@ -104,7 +105,7 @@ class ReferenceAdapter(HttpApi, EngineAdapter):
         "l2_store_submitted": "kvref_disk_store_submitted_total",
         "l2_store_completed": "kvref_disk_store_completed_total",
     }
-    event_settle_s: ClassVar[float] = 0.3  # events leave the engine with each response
+    traits = EngineTraits(event_settle_s=0.3)  # events leave the engine with each response
     shm_prefix = "kvconform-ref-"
 
     def __init__(self, ctx: AdapterContext) -> None:

@@ -21,6 +21,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     KvTransfer,
     ModelShape,
     RadixCache,
@@ -197,7 +198,7 @@ class SglangAdapter(EngineAdapter):
         return self.driver.pids() if self.driver else []
 
     # ---- events -------------------------------------------------------------------------
-    event_seq_from_engine = False  # SGLang's in-process recorder hands over events unnumbered
+    traits = EngineTraits(event_seq_from_engine=False)  # the in-process recorder hands over events unnumbered
 
     def drain_events(self) -> int:
         """Take SGLang's recorded KV events (no transport, so no gaps to fill)."""

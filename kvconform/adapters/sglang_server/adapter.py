@@ -69,6 +69,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     ModelShape,
     RadixCache,
@@ -155,15 +156,14 @@ class SglangServerAdapter(HttpApi, EngineAdapter):
     model: ModelShape = MODEL
     capabilities = SERVER_CAPABILITIES
     metric_names: ClassVar[dict[str, str]] = SERVER_METRICS
-    # sglang:token_usage is set per batch report; idle, the scheduler republishes it only when
-    # the running-requests gauge disagrees with the running batch, else every 30 s
-    # (scheduler_components/metrics_reporter.py, _maybe_log_idle_metrics, 0.5.23). A request
     # TokenizerManager.create_abort_task sleeps 2 s before aborting a disconnected request
-    # (sglang/srt/managers/tokenizer_manager.py:2427, 0.5.23).
-    abort_delay_s: ClassVar[float] = 2.0
-    # aborted before its first decode report leaves its prefill-time usage up for that long
-    # (measured on a loaded 2-core runner: 0.02 after 10 s idle).
-    idle_gauge_refresh_s: ClassVar[float] = 30.0
+    # (sglang/srt/managers/tokenizer_manager.py:2427, 0.5.23). sglang:token_usage is set per
+    # batch report; idle, the scheduler republishes it only when the running-requests gauge
+    # disagrees with the running batch, else every 30 s (scheduler_components/
+    # metrics_reporter.py, _maybe_log_idle_metrics, 0.5.23). A request aborted before its
+    # first decode report leaves its prefill-time usage up for that long (measured on a loaded
+    # 2-core runner: 0.02 after 10 s idle).
+    traits = EngineTraits(abort_delay_s=2.0, idle_gauge_refresh_s=30.0)
     lazy_counters: ClassVar[frozenset[str]] = frozenset(
         {"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}
     )

@@ -18,6 +18,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     InstanceChurn,
     ModelShape,
     PersistentTier,
@@ -131,7 +132,7 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
     # read_usage = max(usage - write_usage, 0.0)
-    read_gauge_is_usage_minus_write = True
+    traits = EngineTraits(read_gauge_is_usage_minus_write=True)
     metric_names: ClassVar[dict[str, str]] = {
         "prefix_queries": "vllm:prefix_cache_queries_total",
         "prefix_hits": "vllm:prefix_cache_hits_total",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -80,7 +81,6 @@ class VllmLmcacheAdapter(VllmAdapter):
             C.DISAGG_SERVING,
         }
     )
-    eviction_period_s = L1_EVICTION_PERIOD_S
     # /reset_prefix_cache?reset_external=true -> Scheduler.reset_connector_cache ->
     # LMCacheMPConnector.reset_cache: CLEAR (force=False) to every LMCache server, which keeps
     # only objects locked by in-flight reads or writes (vllm_multi_process_adapter.py reset_cache).
@@ -88,7 +88,9 @@ class VllmLmcacheAdapter(VllmAdapter):
     # Where the connector loads KV up to the prompt's end, vLLM recomputes only its last token
     # (vllm/v1/core/sched/scheduler.py, after a finished external load: "a full prompt hit
     # re-computes that token", num_computed_tokens = num_tokens - 1).
-    recomputes_last_token = LastToken.TOKEN
+    traits = replace(
+        VllmAdapter.traits, recomputes_last_token=LastToken.TOKEN, eviction_period_s=L1_EVICTION_PERIOD_S
+    )
     # float32: a hit served from LMCache recomputes one token on another kernel path than the
     # cold prefill, and in bfloat16 the two round apart enough to flip a near-tie of the tiny
     # model's greedy answer (measured: 3 of 40, 1 of 60 repeats under load answered otherwise

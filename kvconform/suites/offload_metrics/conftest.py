@@ -67,7 +67,7 @@ def offload_run(engine: EngineAdapter) -> Iterator[OffloadRun]:
         load_ended_at=ended,
         expected_stored_blocks=sum(len(t) // block for t in batch),
         expected_host_hit_tokens=sum(
-            prefix_hit_tokens(len(t), len(t), block, engine.recomputes_last_token) for t in batch
+            prefix_hit_tokens(len(t), len(t), block, engine.traits.recomputes_last_token) for t in batch
         ),
         block_size=block,
     )

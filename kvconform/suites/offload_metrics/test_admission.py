@@ -58,7 +58,7 @@ def test_store_threshold_counts_offers(
     verdict.equal(
         "host_hit_tokens_offered_at_threshold",
         hot_again.cached_tokens,
-        prefix_hit_tokens(len(hot), len(hot), block, engine.recomputes_last_token),
+        prefix_hit_tokens(len(hot), len(hot), block, engine.traits.recomputes_last_token),
         "tokens",
         note=f"offered {THRESHOLD} times while resident on the device: every full block was stored",
     )

@@ -91,7 +91,7 @@ def test_gauges_consistent_under_load(
     )
     verdict.equal("samples_out_of_[0,1]", len(out_of_range), 0, note=_first(out_of_range))
     verdict.equal("samples_write_above_usage", len(write_over), 0, note=_first(write_over))
-    if engine.read_gauge_is_usage_minus_write:
+    if engine.traits.read_gauge_is_usage_minus_write:
         verdict.record(
             "samples_read_not_usage_minus_write",
             len(not_derived),

@@ -172,7 +172,7 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
         verdict.equal(
             "stored_prompt_hits",
             got.cached_tokens,
-            prefix_hit_tokens(len(stored), len(stored), block, engine.recomputes_last_token),
+            prefix_hit_tokens(len(stored), len(stored), block, engine.traits.recomputes_last_token),
             "tokens",
             note="the copies in the engine's own memory still serve once the remote tier is gone",
         )
@@ -323,7 +323,7 @@ def test_remote_store_counters_track_pending_writes(
     verdict.equal(
         "hits_after_failed_stores",
         again.cached_tokens,
-        prefix_hit_tokens(len(refused), len(refused), block, engine.recomputes_last_token),
+        prefix_hit_tokens(len(refused), len(refused), block, engine.traits.recomputes_last_token),
         "tokens",
         note="a failed L2 store must leave the chunks' L1 copies serving",
     )

@@ -43,7 +43,7 @@ def requested_block_size(engine: EngineAdapter) -> int:
 
 def oracle(engine: EngineAdapter, shared: int, prompt_len: int, block: int | None = None) -> int:
     block = block if block is not None else requested_block_size(engine)
-    return prefix_hit_tokens(shared, prompt_len, block, engine.recomputes_last_token)
+    return prefix_hit_tokens(shared, prompt_len, block, engine.traits.recomputes_last_token)
 
 
 def expect_block_size(engine: EngineAdapter, verdict: Verdict, requested: int) -> None:

@@ -69,7 +69,7 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
     verdict.equal(
         "cached_tokens_same_salt",
         again_a.cached_tokens,
-        prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token),
+        prefix_hit_tokens(len(prompt), len(prompt), block, engine.traits.recomputes_last_token),
         "tokens",
         note="the salt's own repeat is still served from cache",
     )

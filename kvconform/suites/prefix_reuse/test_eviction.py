@@ -25,11 +25,11 @@ def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.
     """
     capacity = engine.cache_capacity_tokens()  # per worker
     length = min(1024, max(capacity // 8, engine.block_size() * 4))
-    total = factor * capacity * (1 if engine.workers == 1 else 2 * engine.workers)
+    total = factor * capacity * (1 if engine.traits.workers == 1 else 2 * engine.traits.workers)
     # An engine that evicts from a periodic loop drops stores into a full cache until the loop
     # runs: give it that loop once the cache is full and once at the end, so the prompts
     # served before the fill are the least recently used when it evicts.
-    pause = 2.5 * engine.eviction_period_s
+    pause = 2.5 * engine.traits.eviction_period_s
     served, paused = 0, False
     while served < total:
         engine.serve_prompt(prompts.fresh(length))
@@ -53,7 +53,7 @@ def test_evicted_prefix_not_reported_as_hit(
         "filler_tokens",
         filler,
         "tokens",
-        note=f"capacity {engine.cache_capacity_tokens()} per worker, {engine.workers} worker(s)",
+        note=f"capacity {engine.cache_capacity_tokens()} per worker, {engine.traits.workers} worker(s)",
     )
     before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
     again = engine.serve_prompt(target)

@@ -41,7 +41,7 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
         note="; ".join(r.describe() for r in reports),
     )
     warm = engine.serve_prompt(prompt, answer_tokens(has))
-    expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token)
+    expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.traits.recomputes_last_token)
     verdict.record("cold_cached_tokens", cold.cached_tokens, "tokens")
     verdict.equal(
         "cached_tokens_after_restart",

@@ -62,7 +62,7 @@ def test_remote_damaged_entry_recomputed(
     verdict.equal(
         "intact_prefix_hits_after_damaged_read",
         after.cached_tokens,
-        prefix_hit_tokens(len(intact), len(intact), block, engine.recomputes_last_token),
+        prefix_hit_tokens(len(intact), len(intact), block, engine.traits.recomputes_last_token),
         "tokens",
         note="a prompt whose entries were not damaged is still served whole after the damaged read",
     )

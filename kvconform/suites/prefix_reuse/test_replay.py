@@ -71,7 +71,7 @@ def test_trace_replay_reuse_matches_oracle(engine: EngineAdapter, verdict: Verdi
     trace = build_trace()
     rows = engine.trace_replay().replay(trace, ReplaySetup(block_size=BLOCK, cache_blocks=CACHE_BLOCKS))
     rows = sorted(rows, key=lambda r: r.arrival_ms)
-    expected = oracle(trace, engine.recomputes_last_token)
+    expected = oracle(trace, engine.traits.recomputes_last_token)
     got = [r.reused_input_tokens for r in rows]
     wrong = [
         f"#{i} n={t.input_length}: {g} != {e}"

@@ -61,7 +61,7 @@ def test_router_prediction_matches_worker(
         for tokens in workload:
             shared = longest_shared(served_before, tokens)
             held_blocks = shared // block  # the router's oracle: blocks the worker holds
-            expected = prefix_hit_tokens(shared, len(tokens), block, engine.recomputes_last_token)
+            expected = prefix_hit_tokens(shared, len(tokens), block, engine.traits.recomputes_last_token)
             predicted_tokens, served = engine.serve_routed(tokens)
             predicted = predicted_tokens // block
             served_before.append(tokens)

@@ -34,7 +34,7 @@ def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict
             prefix = prompts.fresh(shared)
             engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
             result = engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
-            expected = prefix_hit_tokens(shared, PROMPT_TOKENS, block, engine.recomputes_last_token)
+            expected = prefix_hit_tokens(shared, PROMPT_TOKENS, block, engine.traits.recomputes_last_token)
             curve.append((fraction, result.cached_tokens / shared, expected / shared))
             if result.cached_tokens != expected:
                 off_oracle.append(f"block {block} shared {shared}: {result.cached_tokens} != {expected}")

@@ -29,7 +29,7 @@ def test_disaggregated_serving_reports_prefix_reuse(
     prompt = prompts.fresh(4 * block + 5)
     first = engine.serve_disaggregated(prompt, answer_tokens(has))
     second = engine.serve_disaggregated(prompt)
-    expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.recomputes_last_token)
+    expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.traits.recomputes_last_token)
     verdict.equal("prompt_tokens_served", second.prompt_tokens, len(prompt), "tokens")
     verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")
     verdict.equal(

@@ -56,7 +56,7 @@ def judge_ledger(engine: EngineAdapter, verdict: Verdict, mark: int) -> LedgerVe
     for kind in ("seq_gap", "seq_regress", "double_remove", "remove_unknown"):
         found = [v for v in judged.violations if v.kind == kind]
         shown = "; ".join(str(v) for v in found[:4])
-        if kind.startswith("seq_") and not engine.event_seq_from_engine:
+        if kind.startswith("seq_") and not engine.traits.event_seq_from_engine:
             verdict.record(kind, len(found), note=f"numbered by the adapter, not by {engine.name}")
         elif kind in REMOVAL_KINDS and not judged.removed:
             # A workload that evicted nothing cannot fail these: recorded, never a pass.
@@ -98,7 +98,7 @@ def compare_resident(
             note="right after filling the cache past capacity: every eviction must have been announced",
         )
     elif after_fill is not None:
-        pool = engine.cache_capacity_tokens() // engine.block_size() * engine.workers
+        pool = engine.cache_capacity_tokens() // engine.block_size() * engine.traits.workers
         verdict.expect(
             "resident_blocks_ledger_vs_pool",
             after_fill.ledger,
@@ -168,7 +168,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     cut = 0
     # The read after the cuts can only fail if a request nobody aborted would still be running
     # then: an uncut stream of the same length must outlive the settle time.
-    settle_s = engine.abort_delay_s + ABORT_GRACE_S
+    settle_s = engine.traits.abort_delay_s + ABORT_GRACE_S
     probe_s = settle_s + PROBE_MARGIN_S
     try:
         outlives = engine.stream_outlives(prompts.fresh(5 * block + 3), ABORT_MAX_TOKENS, probe_s)
@@ -221,7 +221,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         transfer.transfer(prompts.fresh(4 * block + 1), transfer.layouts[0], 1, 1, abort_after_pages=3)
     if "kv_usage" in engine.metric_names:
         t0 = time.monotonic()
-        deadline = t0 + IDLE_BOUND_S + engine.idle_gauge_refresh_s
+        deadline = t0 + IDLE_BOUND_S + engine.traits.idle_gauge_refresh_s
         usage = engine.metric("kv_usage", engine.metrics())
         while usage > 0 and time.monotonic() < deadline:
             time.sleep(0.2)
