@@ -22,6 +22,7 @@ from kvconform.contract.facets import (
     ActiveBlockTracker,
     InstanceChurn,
     KvTransfer,
+    OffloadTier,
     PersistentTier,
     RadixCache,
     RemoteStore,
@@ -379,33 +380,9 @@ class EngineAdapter(ABC):
         raise NotImplementedError
 
     # ---- offload (OFFLOAD_*) -----------------------------------------------------------
-    def set_store_failure(self, fail: bool) -> None:
+    def offload_tier(self) -> OffloadTier:
+        """The host tier the device KV cache offloads to, as the suite waits on and reads it."""
         raise NotImplementedError
-
-    def wait_offload_idle(self, timeout_s: float = 15.0, quiet_s: float = 1.0) -> None:
-        """Wait until offload stores stop moving (the store byte counter is still for
-        `quiet_s`); never waits on the gauges themselves, which are under test."""
-        deadline = time.monotonic() + timeout_s
-        last, still_since = None, time.monotonic()
-        while time.monotonic() < deadline:
-            value = self.metric("offload_store_bytes", self.metrics())
-            if value != last:
-                last, still_since = value, time.monotonic()
-            elif time.monotonic() - still_since >= quiet_s:
-                return
-            time.sleep(0.1)
-
-    def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
-        """What the engine's transfer worker knew, at each change since the engine started:
-        (time.monotonic() seconds, chunks of stores in flight, chunks of loads in flight).
-        Where the worker can say it, the offload gauges are judged against it; None: it cannot."""
-        return None
-
-    def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
-        return self.metric_delta("offload_failed_stores", before, after)
-
-    def offload_block_bytes(self) -> int:
-        return self.model.block_bytes(self.block_size())
 
     # ---- transfer (TRANSFER_ACCOUNTING, PAGE_INDEX, RELEASE_GUARD) ---------------------
     def kv_transfer(self) -> KvTransfer:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvconform.contract.types import SecondRelease, TransferResult
+from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 
 
@@ -269,6 +270,35 @@ class InstanceChurn(ABC):
         """INSTANCE_REGISTRY: release one instance through `path`, then release it again;
         what each answer was."""
         raise NotImplementedError(f"{type(self).__name__} has no instance registry")
+
+
+class OffloadTier(ABC):
+    """The host tier a device KV cache offloads to (OFFLOAD_*), beside the gauges and counters
+    the engine exports of it: when its stores have settled, the host block size the byte
+    counters are judged in, what the engine's transfer worker knew, and the store failure the
+    suite injects. kvconform.kit.offload_tier.MetricOffloadTier is the usual shape."""
+
+    @abstractmethod
+    def wait_idle(self, timeout_s: float = 15.0, quiet_s: float = 1.0) -> None:
+        """Wait until the tier's stores stop moving (never on the gauges under test)."""
+
+    @abstractmethod
+    def block_bytes(self) -> int:
+        """Bytes of one block in the host tier."""
+
+    def transfer_log(self) -> list[tuple[float, int, int]] | None:
+        """What the engine's transfer worker knew, at each change since the engine started:
+        (time.monotonic() seconds, chunks of stores in flight, chunks of loads in flight).
+        Where the worker can say it, the offload gauges are judged against it; None: it cannot."""
+        return None
+
+    def fail_stores(self, fail: bool) -> None:
+        """While on, every store to the tier fails (OFFLOAD_STORE_FAILURE)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fail stores")
+
+    def failed_stores(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        """Blocks whose store failed between two snapshots, by the engine's own count."""
+        raise NotImplementedError(f"{type(self).__name__} counts no failed stores")
 
 
 class PersistentTier(ABC):

@@ -22,9 +22,10 @@ METHODS: dict[C, tuple[str, ...]] = {
     C.INSTANCE_CHURN: ("instance_churn", "reclaim_probe"),
     C.INSTANCE_REGISTRY: ("instance_churn",),
     C.LONG_SESSION: ("kv_pool_bytes",),
-    C.OFFLOAD_GAUGES: ("metrics",),
-    C.OFFLOAD_STORE_FAILURE: ("set_store_failure", "metrics"),
-    C.OFFLOAD_HOST_HITS: ("metrics",),
+    C.OFFLOAD_GAUGES: ("offload_tier", "metrics"),
+    C.OFFLOAD_STORE_FAILURE: ("offload_tier", "metrics"),
+    C.OFFLOAD_HOST_HITS: ("offload_tier", "metrics"),
+    C.OFFLOAD_STORE_THRESHOLD: ("offload_tier", "metrics"),
     # l1_capacity_bytes too, but only where the engine reports an L1 usage ratio to judge it by
     C.TIERED_STORE_METRICS: ("metrics", "persistent_tier"),
     C.BLOCK_POOL_STATS: ("block_pool_stats",),

@@ -667,7 +667,7 @@ class DoubleStore(RemoteStore):
         self.d._up().data[key] = bytes(data)
 
     def capacity_bytes(self) -> int:
-        return CAPACITY_CHUNKS * self.d.offload_block_bytes()
+        return CAPACITY_CHUNKS * self.d.model.block_bytes(self.d.block_size())
 
     def wipe(self) -> None:
         self.d.stop()

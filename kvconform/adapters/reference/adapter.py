@@ -26,6 +26,7 @@ from kvconform.contract import (
     InstanceChurn,
     KvTransfer,
     ModelShape,
+    OffloadTier,
     PersistentTier,
     ReleaseTwice,
     SecondRelease,
@@ -36,6 +37,7 @@ from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.disk import HEADER as DISK_HEADER
 from kvconform.errors import EngineError
 from kvconform.kit.http_api import HttpApi
+from kvconform.kit.offload_tier import MetricOffloadTier
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, gpu_measures, nvml, sample_processes
@@ -239,11 +241,8 @@ class ReferenceAdapter(HttpApi, EngineAdapter):
         self._request("POST", "/reset_prefix_cache?lower_tiers=1")
 
     # ---- offload -----------------------------------------------------------------------
-    def set_store_failure(self, fail: bool) -> None:
-        self.post_json("/admin/offload", {"fail_stores": fail})
-
-    def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
-        return [(float(t), int(s), int(lo)) for t, s, lo in self.get_json("/admin/offload/transfers")["log"]]
+    def offload_tier(self) -> OffloadTier:
+        return ReferenceOffloadTier(self)
 
     # ---- instances (memory churn) --------------------------------------------------------
     # Imported KV per churn instance; the reclaim-power benchmark shrinks it to one block.
@@ -565,3 +564,19 @@ class ReferenceChurn(InstanceChurn):
 
     def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         return self.engine.release_instance_twice(path, tokens)
+
+
+class ReferenceOffloadTier(MetricOffloadTier):
+    """The reference engine's host tier: its transfer worker's log and its store-failure switch
+    are admin routes."""
+
+    def __init__(self, engine: ReferenceAdapter) -> None:
+        super().__init__(engine)
+        self.server = engine
+
+    def fail_stores(self, fail: bool) -> None:
+        self.server.post_json("/admin/offload", {"fail_stores": fail})
+
+    def transfer_log(self) -> list[tuple[float, int, int]] | None:
+        log = self.server.get_json("/admin/offload/transfers")["log"]
+        return [(float(t), int(s), int(lo)) for t, s, lo in log]

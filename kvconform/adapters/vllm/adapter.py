@@ -21,6 +21,7 @@ from kvconform.contract import (
     EngineTraits,
     InstanceChurn,
     ModelShape,
+    OffloadTier,
     PersistentTier,
     ReleaseTwice,
     ServedPrompt,
@@ -30,6 +31,7 @@ from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
 from kvconform.kit.http_api import HttpApi
+from kvconform.kit.offload_tier import MetricOffloadTier
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
@@ -143,7 +145,7 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
         "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
         "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
         "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
-        # chunks the manager allocated for stores (prepare_store); see store_failures()
+        # chunks the manager allocated for stores (prepare_store); see host_store_failures()
         "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
         "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
         "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
@@ -402,7 +404,7 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
         seen: tuple[int, int] | None = None
         while time.monotonic() < deadline:
             time.sleep(FLUSH_POLL_S)
-            log = self.offload_transfer_log() or []
+            log = self.host_transfer_log() or []
             stores_in_flight = log[-1][1] if log else 0
             snapshot = self.metrics()
             # the gauge is labelled per tier and first exported with the tiering manager's
@@ -481,7 +483,7 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
         """Where our host-copy worker logs the chunks it has in flight (vllm_offload_spec.py)."""
         return self.ctx.workdir / "vllm-offload-transfers.log"
 
-    def offload_transfer_log(self) -> list[tuple[float, int, int]] | None:
+    def host_transfer_log(self) -> list[tuple[float, int, int]] | None:
         """Our host-copy worker's account of its transfers (vLLM's native GPU worker keeps none)."""
         if not self.runs_host_tier() or self.native_offload:
             return None
@@ -536,7 +538,7 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
         """Our host-copy worker logged a transfer in flight at least LAZY_METRIC_GRACE_S before
         `snapshot` was taken (vLLM's native worker keeps no log: not known, so False)."""
         try:
-            log = self.offload_transfer_log()
+            log = self.host_transfer_log()
         except EngineError:
             return False
         taken = snapshot.taken_at - (time.time() - time.monotonic())  # the log's clock
@@ -549,11 +551,12 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
             return False
         return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
 
-    def set_store_failure(self, fail: bool) -> None:
+    def offload_tier(self) -> OffloadTier:
+        return VllmOffloadTier(self)
+
+    def fail_host_stores(self, fail: bool) -> None:
         if self.config is None or not self.config.offload:
-            raise EngineError(
-                self.name, "set_store_failure needs the offload tier (EngineConfig(offload=True))"
-            )
+            raise EngineError(self.name, "failing stores needs the offload tier (EngineConfig(offload=True))")
         self._write_fail_stores_file(fail)
 
     def _write_fail_stores_file(self, fail: bool) -> None:
@@ -564,12 +567,14 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
         else:
             path.unlink(missing_ok=True)
 
-    def store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+    def host_store_failures(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
         """Blocks whose store failed. vLLM exports no failed-store counter, so: blocks the
         manager allocated for stores (vLLM's allocation-size histogram sum) minus blocks whose
         bytes the connector counted as stored (store bytes / host block bytes)."""
         prepared = self.metric_delta("offload_store_chunks_prepared", before, after)
-        stored = self.metric_delta("offload_store_bytes", before, after) / self.offload_block_bytes()
+        stored = self.metric_delta("offload_store_bytes", before, after) / self.model.block_bytes(
+            self.block_size()
+        )
         return prepared - stored
 
     def start(self, config: EngineConfig) -> None:
@@ -850,3 +855,21 @@ def serve_command(
         "--port",
         str(port),
     ]
+
+
+class VllmOffloadTier(MetricOffloadTier):
+    """vLLM's CPU offload tier: our host-copy worker's transfer log and store-failure switch
+    (vllm_offload_spec.py), and failed stores as vLLM counts them in no counter of its own."""
+
+    def __init__(self, engine: VllmAdapter) -> None:
+        super().__init__(engine)
+        self.vllm = engine
+
+    def transfer_log(self) -> list[tuple[float, int, int]] | None:
+        return self.vllm.host_transfer_log()
+
+    def fail_stores(self, fail: bool) -> None:
+        self.vllm.fail_host_stores(fail)
+
+    def failed_stores(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
+        return self.vllm.host_store_failures(before, after)

@@ -43,7 +43,7 @@ def drive(
     batch = [prompts.fresh(8 * block + 5) for _ in range(PROMPTS)]
     for tokens in batch:
         engine.serve_prompt(tokens)
-    engine.wait_offload_idle()
+    engine.offload_tier().wait_idle()
     engine.reset_prefix_cache()
     return batch, [engine.serve_prompt(tokens) for tokens in batch]
 

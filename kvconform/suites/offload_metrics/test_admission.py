@@ -37,7 +37,7 @@ def test_store_threshold_counts_offers(
     hot = prompts.fresh(8 * block + 5)
     engine.serve_prompt(once)
     served_hot = [engine.serve_prompt(hot) for _ in range(THRESHOLD)]
-    engine.wait_offload_idle()
+    engine.offload_tier().wait_idle()
     engine.reset_prefix_cache()
     once_again = engine.serve_prompt(once)
     hot_again = engine.serve_prompt(hot)

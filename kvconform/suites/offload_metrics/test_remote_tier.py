@@ -38,7 +38,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     engine.remote_tier().wipe()
     engine.ensure(PERSISTENT)
     block = engine.block_size()
-    chunk_bytes = engine.offload_block_bytes()
+    chunk_bytes = engine.persistent_tier().block_bytes()
     chunks = 8
     before = engine.metrics()
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
@@ -101,7 +101,7 @@ def test_remote_tier_eviction_within_capacity(
     engine.remote_tier().wipe()
     engine.ensure(PERSISTENT)
     block = engine.block_size()
-    chunk_bytes = engine.offload_block_bytes()
+    chunk_bytes = engine.persistent_tier().block_bytes()
     capacity = engine.remote_tier().capacity_bytes()
     per_prompt = 8
     prompts_needed = 2 * capacity // (per_prompt * chunk_bytes)
@@ -223,7 +223,7 @@ def test_remote_store_counters_track_pending_writes(
     engine.remote_tier().wipe()
     engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
     block = engine.block_size()
-    chunk_bytes = engine.offload_block_bytes()
+    chunk_bytes = engine.persistent_tier().block_bytes()
     chunks = 8
     names = engine.metric_names
     l1_before = engine.metric("l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0

@@ -72,7 +72,7 @@ def test_lmcache_resp_tier_survives_restart_and_stops_clean(tmp_path: Path) -> N
         assert adapter.serve_prompt(prompt).cached_tokens == 0
         adapter.persistent_tier().flush()
         entries = adapter.remote_tier().entries()
-        assert sorted(entries.values()) == [adapter.offload_block_bytes()] * 2
+        assert sorted(entries.values()) == [adapter.persistent_tier().block_bytes()] * 2
         redis_pid = adapter.redis.process.pid if adapter.redis else 0
         adapter.restart()
         assert adapter.redis is not None and adapter.redis.process.pid == redis_pid  # Redis kept
