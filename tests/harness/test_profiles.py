@@ -253,9 +253,8 @@ def test_lmcache_argv_and_client_layout_from_profile(tmp_path: Path):
         "dtype": "float16",
         "model_name": "llama-8b",
     }
-    assert adapter.offload_tier().block_bytes() == 2 * 32 * 8 * 128 * 2 * 256, (
-        "oracles use the profile's shape"
-    )
+    chunk_bytes = adapter.model.block_bytes(adapter.block_size())
+    assert chunk_bytes == 2 * 32 * 8 * 128 * 2 * 256, "oracles use the profile's shape"
 
 
 def test_trtllm_argv_and_options_from_profile(tmp_path: Path):
