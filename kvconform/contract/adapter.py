@@ -9,7 +9,6 @@ pattern): declaring a capability is a promise the method works.
 
 from __future__ import annotations
 
-import time
 from abc import ABC
 from dataclasses import asdict
 from typing import Any, ClassVar
@@ -42,10 +41,9 @@ from kvconform.contract.types import (
 from kvconform.envs import BuiltEnv
 from kvconform.errors import UsageError
 from kvconform.events import EventLedger
-from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot
-from kvconform.processes import TeardownReport, free_port
+from kvconform.processes import TeardownReport
 from kvconform.results import Measure
 
 
@@ -73,7 +71,6 @@ class EngineAdapter(ABC):
         self.config: EngineConfig | None = None
         self.base_url: str | None = ctx.url
         self.ledger = EventLedger()
-        self.subscriber: ZmqEventSubscriber | None = None
         self._env: BuiltEnv | None = None
 
     def launch_profile(self, *engines: str) -> LaunchProfile:
@@ -345,28 +342,11 @@ class EngineAdapter(ABC):
         """Every iteration's block-pool stats reported by this engine instance, oldest first."""
         raise NotImplementedError
 
-    def open_event_subscriber(self) -> tuple[str, str]:
-        """A fresh ledger (sequence numbers restart with each engine instance) and a SUB socket
-        bound before the engine starts, for publishers in vLLM's ZMQ wire format.
-        Returns (events endpoint, replay endpoint) for the engine's command line."""
-        self.close_event_subscriber()
-        events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        self.ledger = EventLedger()
-        self.subscriber = ZmqEventSubscriber(self.ledger, events, topic="kv", replay_endpoint=replay)
-        return events, replay
-
-    def close_event_subscriber(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.close()
-            self.subscriber = None
-
     def drain_events(self) -> int:
-        """Make sure every event emitted so far is in the ledger; fill transport gaps from the
-        engine's replay socket. Returns how many batches replay filled."""
-        if self.subscriber is None:
-            return 0
-        time.sleep(self.traits.event_settle_s)
-        return self.subscriber.fill_gaps()
+        """Make sure every event emitted so far is in the ledger (KV_EVENTS); fill transport
+        gaps from the engine's replay where it has one. Returns how many batches replay
+        filled. kvconform.kit.event_feed is the ZMQ publisher's side of it."""
+        return 0
 
     # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED, TIERED_STORE_METRICS) --------
     def persistent_tier(self) -> PersistentTier:

@@ -36,6 +36,7 @@ from kvconform.contract import (
 from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.disk import HEADER as DISK_HEADER
 from kvconform.errors import EngineError
+from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.offload_tier import MetricOffloadTier
 from kvconform.kit.persistent_tiers import FileTier
@@ -52,7 +53,7 @@ OFFLOAD_CHUNKS = 64
 DISK_HEADER_BYTES = DISK_HEADER.size
 
 
-class ReferenceAdapter(HttpApi, EngineAdapter):
+class ReferenceAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
     name = "reference"
     env_spec = None
     pytest_options = ("fault",)  # --fault, added by kvconform.adapters.reference.options

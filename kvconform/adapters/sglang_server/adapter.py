@@ -77,6 +77,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
@@ -149,7 +150,7 @@ SERVER_METRICS: dict[str, str] = {
 }
 
 
-class SglangServerAdapter(HttpApi, EngineAdapter):
+class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
     name = "sglang-server"
     env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE

@@ -28,14 +28,13 @@ from kvconform.contract import (
 )
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
-from kvconform.events import EventLedger
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
+from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.offload_tier import MetricOffloadTier
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
-from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.memory import MemoryMeasure, gpu_reclaim_measures, nvml
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport, free_port
@@ -100,7 +99,7 @@ TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
 SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD): a few prompts' worth
 
 
-class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
+class VllmAdapter(DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter):
     name = "vllm"
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32
@@ -454,13 +453,10 @@ class VllmAdapter(DisaggregatedPair, HttpApi, EngineAdapter):
         ports = self.profile.kv_events
         if "port" not in ports:
             return super().open_event_subscriber()
-        self.close_event_subscriber()
         host = str(ports.get("host", "127.0.0.1"))
-        events = f"tcp://{host}:{int(ports['port'])}"
-        replay = f"tcp://{host}:{int(ports.get('replay_port', int(ports['port']) + 1))}"
-        self.ledger = EventLedger()
-        self.subscriber = ZmqEventSubscriber(self.ledger, events, topic="kv", replay_endpoint=replay)
-        return events, replay
+        port = int(ports["port"])
+        replay_port = int(ports.get("replay_port", port + 1))
+        return self.subscribe(f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}")
 
     # ---- offload tier -------------------------------------------------------------------
     def fail_stores_file(self) -> Path:
