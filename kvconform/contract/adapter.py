@@ -234,7 +234,8 @@ class EngineAdapter(ABC):
         return self.config is not None
 
     def check_reachable(self) -> None:
-        """Attach mode: one quick request to the engine at ctx.url; a UsageError names both."""
+        """Attach mode: one quick request to the engine at ctx.url; a UsageError names both.
+        An engine without a server API (kvconform.kit.http_api adds one) cannot be attached."""
         raise UsageError(f"engine {self.name} has no server API to attach to at {self.ctx.url}")
 
     def close(self) -> None:

@@ -315,7 +315,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
             return None
         if not any(m.get("id") == MODEL_NAME for m in models.get("data", [])):
             return 0
-        return sum(1 for i in health.get("instances", []) if i.get("endpoint") == "generate")
+        return len(generate_instances(health))
 
     def _all_workers_routable(self) -> bool:
         return (self.routable_workers() or 0) >= WORKERS
@@ -342,9 +342,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         )
         later = lines[first + 1 :] if first is not None else []
         second = any("Shutting down DistributedRuntime instances" in line for line in later)
-        errors = [
-            line for line in later if any(mark in line for mark in (" ERROR ", "panicked", "Traceback"))
-        ]
+        errors = [line for line in later if any(mark in line for mark in SHUTDOWN_ERRORS)]
         released = not report.forced_kill and before is not None and after is not None and after < before
         return SecondRelease(
             released,
@@ -447,7 +445,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
     def pinned_worker(self) -> int:
         """The lowest instance id among the frontend's generate endpoints."""
         health = self.get_json("/health")
-        ids = [i["instance_id"] for i in health.get("instances", []) if i.get("endpoint") == "generate"]
+        ids = [i["instance_id"] for i in generate_instances(health)]
         if not ids:
             raise EngineError(
                 self.name, f"frontend /health lists no generate instance: {health}", self.log_tail()
@@ -596,6 +594,11 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         if self.driver is not None:
             logs["dynamo driver"] = self.driver.log_tail(60)
         return logs
+
+
+def generate_instances(health: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workers' generate endpoints in the frontend's /health answer."""
+    return [i for i in health.get("instances", []) if i.get("endpoint") == "generate"]
 
 
 class DynamoChurn(RestartChurn):

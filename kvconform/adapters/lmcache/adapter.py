@@ -454,7 +454,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
 
     # ---- instance churn -------------------------------------------------------------------
     def instance_churn(self) -> InstanceChurn:
-        return LmcacheChurn(self)
+        return LmcacheChurn(self, ("unregister", "reaper", "close", "destroy"))
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
         self.churn_path = path
@@ -713,6 +713,11 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         self.redis = None
         return report
 
+    def instance_churn(self) -> InstanceChurn:
+        # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process
+        # engine, which has no Redis here (its fs-L2 churn is judged on `lmcache`).
+        return LmcacheChurn(self, ("unregister", "reaper", "close"))
+
     def persistent_tier(self) -> PersistentTier:
         """Redis is L2: its objects are the persistent tier."""
         return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()), self.flush_l2)
@@ -732,12 +737,9 @@ class LmcacheChurn(InstanceChurn):
     """Instances of the LMCache server (its clients register, store, retrieve and release) and,
     where the engine has no remote L2, LMCache's in-process engine."""
 
-    def __init__(self, engine: LmcacheAdapter) -> None:
+    def __init__(self, engine: LmcacheAdapter, paths: tuple[str, ...]) -> None:
         self.engine = engine
-        # The MP server's release paths; `destroy` is LMCache's in-process engine, which has no
-        # Redis here (lmcache-redis: its fs-L2 churn is judged on `lmcache`).
-        redis = isinstance(engine, LmcacheRedisAdapter)
-        self.paths = ("unregister", "reaper", "close") + (() if redis else ("destroy",))
+        self.paths = paths
 
     def cycle(self, path: str, index: int, tokens: list[int]) -> None:
         self.engine.churn_cycle(path, index, tokens)
