@@ -3,7 +3,7 @@
 Suites and adapters import from here; the harness never imports an adapter or an engine.
 """
 
-from kvconform.contract.adapter import EngineAdapter
+from kvconform.contract.adapter import EngineAdapter, provides
 from kvconform.contract.capabilities import Capability
 from kvconform.contract.facets import (
     ActiveBlockTracker,
@@ -19,6 +19,7 @@ from kvconform.contract.facets import (
     Outcome,
     PersistentTier,
     RadixCache,
+    RadixCacheModel,
     RadixMatch,
     RadixSizes,
     RemoteStore,
@@ -64,6 +65,7 @@ __all__ = [
     "Outcome",
     "PersistentTier",
     "RadixCache",
+    "RadixCacheModel",
     "RadixMatch",
     "RadixSizes",
     "ReleaseTwice",
@@ -77,5 +79,6 @@ __all__ = [
     "TracedRequest",
     "TransferResult",
     "poll_until",
+    "provides",
     "seconds_until_steady",
 ]

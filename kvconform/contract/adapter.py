@@ -10,24 +10,15 @@ pattern): declaring a capability is a promise the method works.
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, ClassVar
+from functools import cache
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 
 from kvconform import envs, timing
 from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
-from kvconform.contract.facets import (
-    ActiveBlockTracker,
-    InstanceChurn,
-    KvTransfer,
-    OffloadTier,
-    PersistentTier,
-    RadixCache,
-    RemoteStore,
-    RouterIndex,
-    TraceReplay,
-)
 from kvconform.contract.types import (
     AdapterContext,
     BlockPoolStats,
@@ -45,6 +36,33 @@ from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 from kvconform.results import Measure
+
+FacetT = TypeVar("FacetT")
+MakerT = TypeVar("MakerT", bound=Callable[..., Any])
+FACET_MARK = "__kvconform_facet__"
+
+
+def provides(kind: type) -> Callable[[MakerT], MakerT]:
+    """Mark an adapter method (no arguments but self) as the maker of facet `kind`:
+    `engine.facet(kind)` calls it. A subclass that overrides the method keeps the mark."""
+
+    def mark(make: MakerT) -> MakerT:
+        setattr(make, FACET_MARK, kind)
+        return make
+
+    return mark
+
+
+@cache
+def facet_makers(cls: type) -> dict[type, str]:
+    """Facet kind -> the name of the method of `cls` that makes it (marked @provides)."""
+    makers: dict[type, str] = {}
+    for klass in reversed(cls.__mro__):
+        for name, member in vars(klass).items():
+            kind = getattr(member, FACET_MARK, None)
+            if isinstance(kind, type):
+                makers[kind] = name
+    return makers
 
 
 class EngineAdapter(ABC):
@@ -349,55 +367,24 @@ class EngineAdapter(ABC):
         filled. kvconform.kit.event_feed is the ZMQ publisher's side of it."""
         return 0
 
-    # ---- persistence (PERSISTENT_PREFIX, CORRUPT_PERSISTED, TIERED_STORE_METRICS) --------
-    def persistent_tier(self) -> PersistentTier:
-        """The tier the engine keeps KV in across restarts, as the suite reads (and damages)
-        it; kvconform.kit.persistent_tiers has the two shapes it takes."""
-        raise NotImplementedError
+    # ---- features: typed facets (kvconform.contract.facets) ------------------------------
+    def facet(self, kind: type[FacetT]) -> FacetT:
+        """This engine's `kind` facet (persistent tier, offload tier, instance churn, ...),
+        made by the adapter's method marked @provides(kind); NotImplementedError naming both
+        where the adapter has none (registration refuses a capability without its facet)."""
+        maker = facet_makers(type(self)).get(kind)
+        if maker is None:
+            raise NotImplementedError(f"engine {self.name} provides no {kind.__name__} facet")
+        made: FacetT = getattr(self, maker)()
+        return made
 
-    # ---- the remote tier (REMOTE_TIER) --------------------------------------------------
-    def remote_tier(self) -> RemoteStore:
-        """The remote KV store the engine offloads to, as the suite reads and damages it."""
-        raise NotImplementedError
-
-    # ---- offload (OFFLOAD_*) -----------------------------------------------------------
-    def offload_tier(self) -> OffloadTier:
-        """The host tier the device KV cache offloads to, as the suite waits on and reads it."""
-        raise NotImplementedError
-
-    # ---- transfer (TRANSFER_ACCOUNTING, PAGE_INDEX, RELEASE_GUARD) ---------------------
-    def kv_transfer(self) -> KvTransfer:
-        """The engine's KV hand-off from a prefill to decode ranks."""
-        raise NotImplementedError
-
+    # ---- transfer (RELEASE_GUARD) -------------------------------------------------------
     def release_twice(self, tokens: list[int]) -> ReleaseTwice:
         """Release one request's KV (a fresh prompt, nothing cached) twice through the engine's
         own abort/failure release path, and say what each release did."""
         raise NotImplementedError
 
-    # ---- engine-internal structures (RADIX_CACHE_MODEL, RADIX_INDEX, TRACE_REPLAY, BLOCK_TRACKER)
-    def radix_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
-        """A new, empty radix cache of the engine's own code, driven step by step."""
-        raise NotImplementedError
-
-    def router_index(self) -> RouterIndex:
-        """The router-side prefix index the engine keeps from its workers' KV events."""
-        raise NotImplementedError
-
-    def trace_replay(self) -> TraceReplay:
-        """The engine's offline replay of request traces in simulated time."""
-        raise NotImplementedError
-
-    def block_tracker(self) -> ActiveBlockTracker:
-        """The router's active-block tracker (a service the adapter starts on first use)."""
-        raise NotImplementedError
-
-    # ---- memory churn (INSTANCE_CHURN, INSTANCE_REGISTRY) --------------------------------
-    def instance_churn(self) -> InstanceChurn:
-        """Instances made and released through the engine's release paths (available before
-        the engine starts: the suite reads its paths first)."""
-        raise NotImplementedError
-
+    # ---- memory churn (INSTANCE_CHURN) ---------------------------------------------------
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """Memory that must come back after a release (and stay flat over a long session), by
         measure."""

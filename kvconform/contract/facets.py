@@ -128,6 +128,15 @@ class RadixCache(ABC):
         to an external KV router (block hashes the router recomputes from the tokens)."""
 
 
+class RadixCacheModel(ABC):
+    """The engine's radix-cache code, from which the suite makes caches to drive
+    (RADIX_CACHE_MODEL)."""
+
+    @abstractmethod
+    def new_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
+        """A new, empty cache of `capacity_tokens` in pages of `page_size` tokens."""
+
+
 @dataclass(frozen=True)
 class IndexBlock:
     """A block as a KV event names it to a router: the engine's block hash, and its content as

@@ -1,54 +1,80 @@
-"""Which contract methods each capability needs: an adapter that declares a capability must
-provide them, or registration refuses it, naming both (a missing method would otherwise show
-as NotImplementedError in the middle of a check).
+"""What each capability needs of an adapter: contract methods it must override and facets it
+must provide (@provides). An adapter that declares a capability without them is refused at
+registration, naming both (a missing one would otherwise show as NotImplementedError in the
+middle of a check).
 
 Only methods whose base version is a stub are listed: the rest have a working default.
 """
 
 from __future__ import annotations
 
-from kvconform.contract.adapter import EngineAdapter
+from kvconform.contract.adapter import EngineAdapter, facet_makers
 from kvconform.contract.capabilities import Capability as C
+from kvconform.contract.facets import (
+    ActiveBlockTracker,
+    InstanceChurn,
+    KvTransfer,
+    OffloadTier,
+    PersistentTier,
+    RadixCacheModel,
+    RemoteStore,
+    RouterIndex,
+    TraceReplay,
+)
 
-METHODS: dict[C, tuple[str, ...]] = {
+# A contract method by name, or a facet by its type.
+Need = str | type
+
+NEEDS: dict[C, tuple[Need, ...]] = {
     C.PREFIX_CACHE: ("serve_prompt",),
     C.PREFIX_HIT_COUNTERS: ("metrics",),
     C.RESET_PREFIX_CACHE: ("reset_prefix_cache",),
-    C.PERSISTENT_PREFIX: ("persistent_tier",),
-    C.CORRUPT_PERSISTED: ("persistent_tier",),
+    C.PERSISTENT_PREFIX: (PersistentTier,),
+    C.CORRUPT_PERSISTED: (PersistentTier,),
     C.FORCED_EVICTION: ("cache_capacity_tokens",),
     C.CACHE_SALT: ("serve_salted",),
     C.HOST_MEMORY: ("engine_pids",),
-    C.INSTANCE_CHURN: ("instance_churn", "reclaim_probe"),
-    C.INSTANCE_REGISTRY: ("instance_churn",),
+    C.INSTANCE_CHURN: (InstanceChurn, "reclaim_probe"),
+    C.INSTANCE_REGISTRY: (InstanceChurn,),
     C.LONG_SESSION: ("kv_pool_bytes",),
-    C.OFFLOAD_GAUGES: ("offload_tier", "metrics"),
-    C.OFFLOAD_STORE_FAILURE: ("offload_tier", "metrics"),
-    C.OFFLOAD_HOST_HITS: ("offload_tier", "metrics"),
-    C.OFFLOAD_STORE_THRESHOLD: ("offload_tier", "metrics"),
+    C.OFFLOAD_GAUGES: (OffloadTier, "metrics"),
+    C.OFFLOAD_STORE_FAILURE: (OffloadTier, "metrics"),
+    C.OFFLOAD_HOST_HITS: (OffloadTier, "metrics"),
+    C.OFFLOAD_STORE_THRESHOLD: (OffloadTier, "metrics"),
     # l1_capacity_bytes too, but only where the engine reports an L1 usage ratio to judge it by
-    C.TIERED_STORE_METRICS: ("metrics", "persistent_tier"),
+    C.TIERED_STORE_METRICS: ("metrics", PersistentTier),
     C.BLOCK_POOL_STATS: ("block_pool_stats",),
-    C.TRANSFER_ACCOUNTING: ("kv_transfer",),
-    C.PAGE_INDEX: ("kv_transfer",),
+    C.TRANSFER_ACCOUNTING: (KvTransfer,),
+    C.PAGE_INDEX: (KvTransfer,),
     C.RELEASE_GUARD: ("release_twice",),
-    C.BLOCK_TRACKER: ("block_tracker",),
-    C.RADIX_INDEX: ("router_index",),
-    C.RADIX_CACHE_MODEL: ("radix_cache",),
+    C.BLOCK_TRACKER: (ActiveBlockTracker,),
+    C.RADIX_INDEX: (RouterIndex,),
+    C.RADIX_CACHE_MODEL: (RadixCacheModel,),
     C.ROUTER_PREDICTION: ("serve_routed",),
-    C.TRACE_REPLAY: ("trace_replay",),
+    C.TRACE_REPLAY: (TraceReplay,),
     C.DISAGG_SERVING: ("serve_disaggregated",),
-    C.REMOTE_TIER: ("remote_tier",),
+    C.REMOTE_TIER: (RemoteStore,),
 }
 
 
+def need_name(need: Need) -> str:
+    return need if isinstance(need, str) else f"the {need.__name__} facet"
+
+
+def provided(cls: type[EngineAdapter], need: Need) -> bool:
+    if isinstance(need, str):
+        return getattr(cls, need) is not getattr(EngineAdapter, need)
+    return need in facet_makers(cls)
+
+
 def missing_methods(cls: type[EngineAdapter]) -> dict[C, list[str]]:
-    """Per declared capability, the methods it needs that `cls` leaves as the contract's stub."""
+    """Per declared capability, what it needs that `cls` leaves as the contract's stub or does
+    not provide."""
     missing: dict[C, list[str]] = {}
     for capability in sorted(cls.capabilities):
-        stubs = [m for m in METHODS.get(capability, ()) if getattr(cls, m) is getattr(EngineAdapter, m)]
-        if stubs:
-            missing[capability] = stubs
+        absent = [need_name(n) for n in NEEDS.get(capability, ()) if not provided(cls, n)]
+        if absent:
+            missing[capability] = absent
     return missing
 
 

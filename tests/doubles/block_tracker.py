@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 from kvconform.adapters.dynamo.slot_tracker import SlotTrackerClient
-from kvconform.contract import ActiveBlockTracker, Capability
+from kvconform.contract import ActiveBlockTracker, Capability, provides
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
@@ -258,6 +258,7 @@ class BlockTrackerDouble(DoubleAdapter):
         super().__init__(ctx)
         self.tracker = BlockTracker(self.fault)
 
+    @provides(ActiveBlockTracker)
     def block_tracker(self) -> ActiveBlockTracker:
         # the double speaks Dynamo's slot tracker protocol: read through Dynamo's client
         return SlotTrackerClient(self.name, self.tracker.call)

@@ -24,8 +24,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvconform.adapters.sglang.radix_client import SglangRadixCache
-from kvconform.contract import Capability
+from kvconform.adapters.sglang.radix_client import Call, SglangRadixCacheModel
+from kvconform.contract import Capability, RadixCacheModel, provides
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
@@ -56,7 +56,7 @@ FAULTS: dict[str, Fault] = {
     ),
     "match_counts_partial_page": Fault(
         "match counts the tokens of a partially matching page into prefix_len (not page-aligned)",
-        (f"{_CHECK}[16]",),
+        (f"{_CHECK}[4]", f"{_CHECK}[16]"),
         "paged prefix matching that reports token-level overlap the engine cannot reuse",
         ("invariant_violations",),
     ),
@@ -252,14 +252,18 @@ class RadixCacheDouble(DoubleAdapter):
         super().__init__(ctx)
         self.cache: RadixCache | None = None
 
-    def radix_cache(self, page_size: int, capacity_tokens: int) -> SglangRadixCache:
-        self.cache = RadixCache(int(page_size), int(capacity_tokens), self.fault)
+    @provides(RadixCacheModel)
+    def radix_cache_model(self) -> RadixCacheModel:
         # the double answers the SGLang driver's ops: read through SGLang's client
-        return SglangRadixCache(self.call)
+        return SglangRadixCacheModel(self.build_radix_cache)
+
+    def build_radix_cache(self, page_size: int, capacity_tokens: int) -> Call:
+        self.cache = RadixCache(int(page_size), int(capacity_tokens), self.fault)
+        return self.call
 
     def call(self, op: str, **args: Any) -> Any:
         if self.cache is None:
-            raise RuntimeError("radix op before radix_cache")
+            raise RuntimeError("radix op before build_radix_cache")
         ops = {
             "insert": self.cache.insert,
             "match": self.cache.match,

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import psutil
 
 from kvconform.adapters.dynamo.router_index import DynamoRouterIndex
-from kvconform.contract import Capability
+from kvconform.contract import Capability, RouterIndex, provides
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
@@ -215,6 +215,7 @@ class RadixIndexDouble(DoubleAdapter):
             raise KeyError(f"no tree {name!r}; call tree_new first")
         return self.trees[name]
 
+    @provides(RouterIndex)
     def router_index(self) -> DynamoRouterIndex:
         # the double answers the Dynamo driver's ops: read through Dynamo's client
         return DynamoRouterIndex(self.call)

@@ -37,6 +37,7 @@ from kvconform.contract import (
     PersistentTier,
     RemoteStore,
     ServedPrompt,
+    provides,
 )
 from kvconform.engines.reference.faults import Fault
 from kvconform.errors import EngineError
@@ -633,9 +634,11 @@ class RemoteTierDouble(DoubleAdapter):
             raise EngineError(self.name, "the remote store is not running")
         return self.store
 
+    @provides(RemoteStore)
     def remote_tier(self) -> RemoteStore:
         return DoubleStore(self)
 
+    @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()))
 

@@ -18,7 +18,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import ClassVar
 
-from kvconform.contract import Capability, Handoff, ReplayedRequest, ReplaySetup, TracedRequest, TraceReplay
+from kvconform.contract import (
+    Capability,
+    Handoff,
+    ReplayedRequest,
+    ReplaySetup,
+    TracedRequest,
+    TraceReplay,
+    provides,
+)
 from kvconform.engines.reference.faults import Fault
 from tests.doubles.base import DoubleAdapter
 
@@ -91,6 +99,7 @@ class ReplayDouble(DoubleAdapter):
     capabilities = frozenset({Capability.TRACE_REPLAY})
     faults: ClassVar[dict[str, Fault]] = FAULTS
 
+    @provides(TraceReplay)
     def trace_replay(self) -> TraceReplay:
         return LruReplay(self.fault)
 

@@ -3,12 +3,21 @@ behind it, naming the capability, the methods and the class; every shipped adapt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvconform import registry
+from kvconform.contract import (
+    AdapterContext,
+    EngineAdapter,
+    InstanceChurn,
+    PersistentTier,
+    ServedPrompt,
+    provides,
+)
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, InstanceChurn, ServedPrompt
-from kvconform.contract.requirements import METHODS, missing_methods
+from kvconform.contract.requirements import NEEDS, missing_methods
 from kvconform.errors import UsageError
 from kvconform.memory import MemoryMeasure
 
@@ -22,6 +31,7 @@ class HalfDoneAdapter(EngineAdapter):
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         raise AssertionError("never called")
 
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         raise AssertionError("never called")
 
@@ -54,12 +64,23 @@ def test_a_declared_capability_without_its_methods_is_refused_at_registration() 
 
 def test_a_facet_capability_needs_its_facet() -> None:
     assert missing_methods(NoFacetAdapter) == {
-        C.INSTANCE_CHURN: ["instance_churn"],
-        C.INSTANCE_REGISTRY: ["instance_churn"],
+        C.INSTANCE_CHURN: ["the InstanceChurn facet"],
+        C.INSTANCE_REGISTRY: ["the InstanceChurn facet"],
     }
 
 
-def test_every_listed_method_is_a_contract_stub() -> None:
-    for capability, methods in METHODS.items():
-        for method in methods:
-            assert callable(getattr(EngineAdapter, method, None)), (capability, method)
+def test_a_facet_is_found_through_its_mark_and_refused_by_name_without_one(tmp_path: Path) -> None:
+    adapter = HalfDoneAdapter(AdapterContext(workdir=tmp_path))
+    with pytest.raises(AssertionError, match="never called"):
+        adapter.facet(InstanceChurn)  # the marked method is what facet() calls
+    with pytest.raises(NotImplementedError, match="engine half-done provides no PersistentTier facet"):
+        adapter.facet(PersistentTier)
+
+
+def test_every_listed_need_is_a_contract_stub_or_a_facet_type() -> None:
+    for capability, needs in NEEDS.items():
+        for need in needs:
+            if isinstance(need, str):
+                assert callable(getattr(EngineAdapter, need, None)), (capability, need)
+            else:
+                assert isinstance(need, type) and need.__module__ == "kvconform.contract.facets", need

@@ -42,6 +42,7 @@ from kvconform.contract import (
     LastToken,
     ModelShape,
     ServedPrompt,
+    provides,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.http_api import HttpApi
@@ -244,6 +245,7 @@ class LlamaCppAdapter(HttpApi, EngineAdapter):
         return self.ctx_tokens * self.model.kv_bytes_per_token()
 
     # ---- memory churn: a llama-server instance is its process -------------------------
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 

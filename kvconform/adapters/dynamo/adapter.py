@@ -33,6 +33,7 @@ from kvconform.contract import (
     ServedPrompt,
     TraceReplay,
     poll_until,
+    provides,
 )
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.events import StreamedLedger
@@ -378,6 +379,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         root = stack / "kv"
         return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 
@@ -538,9 +540,11 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         return [pid for p in (self.frontend, *self.mockers) if p is not None for pid in p.pids()]
 
     # ---- in-process (RADIX_INDEX, TRACE_REPLAY) -----------------------------------------
+    @provides(RouterIndex)
     def router_index(self) -> RouterIndex:
         return DynamoRouterIndex(self.inproc)
 
+    @provides(TraceReplay)
     def trace_replay(self) -> TraceReplay:
         return DynamoTraceReplay(self.inproc)
 
@@ -558,6 +562,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
         return self.driver.call(op, **args)
 
     # ---- slot tracker (BLOCK_TRACKER) ---------------------------------------------------
+    @provides(ActiveBlockTracker)
     def block_tracker(self) -> ActiveBlockTracker:
         return SlotTrackerClient(self.name, self._tracker_call)
 

@@ -34,6 +34,7 @@ from kvconform.contract import (
     SecondRelease,
     ServedPrompt,
     TraceReplay,
+    provides,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
@@ -332,6 +333,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
         self.inproc = self.simulator = None
 
     # ---- offline replay (TRACE_REPLAY) --------------------------------------------------
+    @provides(TraceReplay)
     def trace_replay(self) -> TraceReplay:
         return LmcacheTraceReplay(self.name, self._simulator_call, self.model)
 
@@ -432,6 +434,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
         return self.kv_pool_bytes() // self.model.kv_bytes_per_token()
 
     # ---- persistence ---------------------------------------------------------------------
+    @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """The fs L2 adapter's files (one per chunk), flushed by the L2 store tasks."""
         return FileTier(self.l2_dir(), "**/*", self.model.block_bytes(self.block_size()), self.flush_l2)
@@ -453,6 +456,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
             time.sleep(0.1)
 
     # ---- instance churn -------------------------------------------------------------------
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return LmcacheChurn(self, ("unregister", "reaper", "close", "destroy"))
 
@@ -702,6 +706,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
             raise EngineError(self.name, "the Redis L2 server is not running")
         return self.redis
 
+    @provides(RemoteStore)
     def remote_tier(self) -> RemoteStore:
         return RedisStore(self)
 
@@ -713,11 +718,13 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         self.redis = None
         return report
 
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         # The MP server's release paths, with Redis as its L2; `destroy` is LMCache's in-process
         # engine, which has no Redis here (its fs-L2 churn is judged on `lmcache`).
         return LmcacheChurn(self, ("unregister", "reaper", "close"))
 
+    @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """Redis is L2: its objects are the persistent tier."""
         return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()), self.flush_l2)

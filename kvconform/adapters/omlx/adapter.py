@@ -58,6 +58,7 @@ from kvconform.contract import (
     PersistentTier,
     SecondRelease,
     ServedPrompt,
+    provides,
 )
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
@@ -561,6 +562,7 @@ class OmlxAdapter(HttpApi, EngineAdapter):
         return HOT_CACHE_BYTES
 
     # ---- persistence --------------------------------------------------------------------
+    @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """The paged SSD cache's block files (one safetensors file per block, under a
         directory per first hex digit of its hash)."""
@@ -631,6 +633,7 @@ class OmlxAdapter(HttpApi, EngineAdapter):
             self.serve_prompt(tokens[: len(tokens) - shift])
         return self._model_action(UNLOAD)
 
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return OmlxChurn(self)
 

@@ -32,6 +32,7 @@ from kvconform.contract import (
     SecondRelease,
     ServedPrompt,
     TransferResult,
+    provides,
 )
 from kvconform.engines.reference import VERSION
 from kvconform.engines.reference.disk import HEADER as DISK_HEADER
@@ -232,6 +233,7 @@ class ReferenceAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
         return int(stats["cached_free"])
 
     # ---- persistence ---------------------------------------------------------------------
+    @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         # each .kv file: a 16-byte header (magic, payload length, CRC32) and the block's KV
         # (kvconform/engines/reference/disk.py HEADER)
@@ -242,6 +244,7 @@ class ReferenceAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
         self._request("POST", "/reset_prefix_cache?lower_tiers=1")
 
     # ---- offload -----------------------------------------------------------------------
+    @provides(OffloadTier)
     def offload_tier(self) -> OffloadTier:
         return ReferenceOffloadTier(self)
 
@@ -257,6 +260,7 @@ class ReferenceAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
         self.churn_path = None  # every check starts outside instance churn
         super().ensure(config)
 
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return ReferenceChurn(self)
 
@@ -438,6 +442,7 @@ class ReferenceAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
             self._decode_url = url
         return self._decode_url
 
+    @provides(KvTransfer)
     def kv_transfer(self) -> KvTransfer:
         return ReferenceTransfer(self)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvconform import envs
 from kvconform.adapters.sglang.common import MODEL
-from kvconform.adapters.sglang.radix_client import SglangRadixCache
+from kvconform.adapters.sglang.radix_client import Call, SglangRadixCacheModel
 from kvconform.adapters.sglang.transfer import SglangTransfer
 from kvconform.contract import (
     AdapterContext,
@@ -24,8 +24,9 @@ from kvconform.contract import (
     EngineTraits,
     KvTransfer,
     ModelShape,
-    RadixCache,
+    RadixCacheModel,
     ServedPrompt,
+    provides,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, Kind, KvEvent, hash_text
@@ -226,14 +227,19 @@ class SglangAdapter(EngineAdapter):
         return int(stats["total_size"]) // int(stats["page_size"])
 
     # ---- radix cache model (RADIX_CACHE_MODEL) ------------------------------------------
-    def radix_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
+    @provides(RadixCacheModel)
+    def radix_cache_model(self) -> RadixCacheModel:
+        return SglangRadixCacheModel(self.build_radix_cache)
+
+    def build_radix_cache(self, page_size: int, capacity_tokens: int) -> Call:
         if self.driver is None or not self.driver.process.alive():
             self.start(EngineConfig())
         self.config = None  # the next ensure() builds the suite's default cache again
         self.new_cache(page_size, capacity_tokens)
-        return SglangRadixCache(self.call)
+        return self.call
 
     # ---- transfer -------------------------------------------------------------------------
+    @provides(KvTransfer)
     def kv_transfer(self) -> KvTransfer:
         return SglangTransfer(self)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from kvconform.contract.facets import CacheEvent, RadixCache, RadixMatch, RadixSizes
+from kvconform.contract.facets import CacheEvent, RadixCache, RadixCacheModel, RadixMatch, RadixSizes
 
 # (op, **args) -> the driver's JSON answer
 Call = Callable[..., Any]
@@ -68,3 +68,14 @@ class SglangRadixCache(RadixCache):
         # the driver records SGLang's own events and, beside them, the ones its recorder
         # writes in the Dynamo router's format (KVCacheEventRecorder(dynamo_format=True))
         return [cache_event(raw) for raw in self.call("take_events", dynamo_format=router_hashes)]
+
+
+class SglangRadixCacheModel(RadixCacheModel):
+    """SGLang's RadixCache class: `build` makes a new cache in the driver (or a double that
+    answers the driver's ops) and returns the call that drives it."""
+
+    def __init__(self, build: Callable[[int, int], Call]) -> None:
+        self.build = build
+
+    def new_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
+        return SglangRadixCache(self.build(page_size, capacity_tokens))

@@ -72,8 +72,8 @@ from kvconform.contract import (
     EngineTraits,
     InstanceChurn,
     ModelShape,
-    RadixCache,
     ServedPrompt,
+    provides,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
@@ -558,6 +558,7 @@ class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server is not None else []
 
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 
@@ -575,10 +576,6 @@ class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
             gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
         )
         return measures
-
-    # ---- engine-internal structures: only the in-process adapter reaches them -------------
-    def radix_cache(self, page_size: int, capacity_tokens: int) -> RadixCache:
-        raise NotImplementedError("the SGLang radix cache model is in-process only (--engine sglang)")
 
     # ---- logs -----------------------------------------------------------------------------
     def log_tail(self, lines: int = 40) -> str:

@@ -25,6 +25,7 @@ from kvconform.contract import (
     PersistentTier,
     ReleaseTwice,
     ServedPrompt,
+    provides,
 )
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
@@ -387,6 +388,7 @@ class VllmAdapter(DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter):
         """vLLM's fs tier root: one <hash>.bin file per block, kept across restarts."""
         return self.ctx.workdir / "vllm-fs-tier"
 
+    @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """The fs tier's block files (vllm-lmcache's persistence is the LMCache server's, which
         outlives vLLM's restart: no files, nothing to flush on vLLM's side)."""
@@ -547,6 +549,7 @@ class VllmAdapter(DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter):
             return False
         return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
 
+    @provides(OffloadTier)
     def offload_tier(self) -> OffloadTier:
         return VllmOffloadTier(self)
 
@@ -734,6 +737,7 @@ class VllmAdapter(DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter):
         return body
 
     # ---- instance churn: whole-server restart cycles (RestartChurn) -----------------------
+    @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 

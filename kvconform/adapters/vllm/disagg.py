@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconform.contract import EngineConfig, KvTransfer, ServedPrompt, TransferResult
+from kvconform.contract import EngineConfig, KvTransfer, ServedPrompt, TransferResult, provides
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
@@ -147,6 +147,7 @@ class DisaggregatedPair(_Base):
     def _decode_external_hits(self) -> float:
         return self._decode_scrape(EXTERNAL_HITS).value(EXTERNAL_HITS)
 
+    @provides(KvTransfer)
     def kv_transfer(self) -> KvTransfer:
         return NixlPull(self)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, InstanceChurn
 from kvconform.memory import MemoryMeasure
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -69,7 +69,7 @@ class ContinuousSampler(PeriodicSampler):
 def test_churn_returns_to_baseline(
     engine: EngineAdapter, path: str, prompts: PromptFactory, verdict: Verdict, request: pytest.FixtureRequest
 ) -> None:
-    churn = engine.instance_churn()
+    churn = engine.facet(InstanceChurn)
     if path not in churn.paths:
         pytest.skip(f"engine {engine.name} has no release path {path!r} (has {', '.join(churn.paths)})")
     engine.ensure(EngineConfig())
@@ -148,7 +148,7 @@ def test_churn_returns_to_baseline(
 def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     """Releasing an instance twice must be refused cleanly, and the engine stay healthy."""
     engine.ensure(EngineConfig())
-    churn = engine.instance_churn()
+    churn = engine.facet(InstanceChurn)
     result = churn.second_release(churn.paths[0], prompts.fresh(4 * engine.block_size()))
     verdict.record("answers", result.detail)
     verdict.equal("first_release_done", int(result.first_released), 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt
+from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier, ServedPrompt
 from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -43,7 +43,7 @@ def drive(
     batch = [prompts.fresh(8 * block + 5) for _ in range(PROMPTS)]
     for tokens in batch:
         engine.serve_prompt(tokens)
-    engine.offload_tier().wait_idle()
+    engine.facet(OffloadTier).wait_idle()
     engine.reset_prefix_cache()
     return batch, [engine.serve_prompt(tokens) for tokens in batch]
 

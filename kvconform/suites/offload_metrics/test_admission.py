@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -37,7 +37,7 @@ def test_store_threshold_counts_offers(
     hot = prompts.fresh(8 * block + 5)
     engine.serve_prompt(once)
     served_hot = [engine.serve_prompt(hot) for _ in range(THRESHOLD)]
-    engine.offload_tier().wait_idle()
+    engine.facet(OffloadTier).wait_idle()
     engine.reset_prefix_cache()
     once_again = engine.serve_prompt(once)
     hot_again = engine.serve_prompt(hot)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
@@ -41,7 +41,7 @@ def judge_against_transfers(engine: EngineAdapter, sampler: GaugeSampler, verdic
     """The write gauge against the stores the engine's transfer worker had in flight, the read
     gauge against its loads: above 0 only around a transfer (a gauge stuck after its transfers
     ended is VIOLATED)."""
-    log = engine.offload_tier().transfer_log()
+    log = engine.facet(OffloadTier).transfer_log()
     if log is None:
         verdict.record(
             "transfer_log", f"engine {engine.name}'s transfer worker does not say what it has in flight"
@@ -129,7 +129,7 @@ def test_offload_byte_counters_match_blocks(
     engine: EngineAdapter, offload_run: OffloadRun, verdict: Verdict
 ) -> None:
     """Stored/loaded bytes = blocks moved x block bytes, block bytes from the model shape."""
-    block_bytes = engine.offload_tier().block_bytes()
+    block_bytes = engine.facet(OffloadTier).block_bytes()
     stored = engine.metric_delta("offload_store_bytes", offload_run.before, offload_run.after)
     loaded = engine.metric_delta("offload_load_bytes", offload_run.before, offload_run.after)
     expected_loaded_blocks = offload_run.expected_host_hit_tokens // offload_run.block_size
@@ -182,7 +182,7 @@ def test_failed_store_releases_pending_write(
 ) -> None:
     engine.ensure(EngineConfig(offload=True))
     before = engine.metrics()
-    engine.offload_tier().fail_stores(True)
+    engine.facet(OffloadTier).fail_stores(True)
     try:
         with GaugeSampler(engine) as sampler:
             for _ in range(3):
@@ -195,9 +195,9 @@ def test_failed_store_releases_pending_write(
                 time.sleep(0.05)
             time.sleep(0.5)
     finally:
-        engine.offload_tier().fail_stores(False)
+        engine.facet(OffloadTier).fail_stores(False)
     after = engine.metrics()
-    failed = engine.offload_tier().failed_stores(before, after)
+    failed = engine.facet(OffloadTier).failed_stores(before, after)
     idle = [s for s in sampler.samples if s.t >= ended]
     verdict.require("stores_failed", failed, ">=", 1, note="the failure path must really have run")
     verdict.equal(

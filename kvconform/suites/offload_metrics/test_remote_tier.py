@@ -15,7 +15,14 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt, seconds_until_steady
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    PersistentTier,
+    RemoteStore,
+    ServedPrompt,
+    seconds_until_steady,
+)
 from kvconform.errors import EngineError
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -34,17 +41,23 @@ REFUSED_PROMPTS = 3  # prompts stored while the store refuses writes
 FRESH_PROMPTS = 2  # prompts stored once it takes writes again
 
 
+def stored_bytes(engine: EngineAdapter) -> int:
+    """Bytes of the KV objects the remote store holds now, by its own count."""
+    entries = engine.facet(RemoteStore).entries()
+    return sum(entries.values())
+
+
 def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
-    engine.remote_tier().wipe()
+    engine.facet(RemoteStore).wipe()
     engine.ensure(PERSISTENT)
     block = engine.block_size()
-    chunk_bytes = engine.persistent_tier().block_bytes()
+    chunk_bytes = engine.facet(PersistentTier).block_bytes()
     chunks = 8
     before = engine.metrics()
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
-    engine.persistent_tier().flush()
+    engine.facet(PersistentTier).flush()
     after = engine.metrics()
-    entries = engine.remote_tier().entries()
+    entries = engine.facet(RemoteStore).entries()
     held = sum(entries.values())
     verdict.equal("remote_objects", len(entries), chunks, "objects", note="one object per whole chunk")
     verdict.equal(
@@ -52,7 +65,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     )
     verdict.equal(
         "remote_foreign_objects",
-        engine.remote_tier().objects_total() - len(entries),
+        engine.facet(RemoteStore).objects_total() - len(entries),
         0,
         "objects",
         note="the store holds nothing but the engine's entries",
@@ -64,14 +77,14 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
         "objects",
     )
     verdict.equal("l2_usage_bytes", engine.metric("l2_usage_bytes", after), held, "bytes")
-    overhead = [engine.remote_tier().memory_usage(k) - n for k, n in entries.items()]
+    overhead = [engine.facet(RemoteStore).memory_usage(k) - n for k, n in entries.items()]
     verdict.record("remote_memory_overhead_per_object", max(overhead, default=0), "bytes")
     engine.restart()
     restarted = engine.metrics()
     verdict.equal(
         "l2_usage_bytes_after_restart",
         engine.metric("l2_usage_bytes", restarted),
-        sum(engine.remote_tier().entries().values()),
+        stored_bytes(engine),
         "bytes",
         note="the restarted engine serves hits from these bytes, so its usage gauge must count them",
     )
@@ -84,10 +97,10 @@ def settled_entries(
     """The engine's remote entries once they stop changing for quiet_s (background eviction
     runs periodically); after timeout_s, whatever is there."""
     t0 = time.monotonic()
-    last, since = engine.remote_tier().entries(), time.monotonic()
+    last, since = engine.facet(RemoteStore).entries(), time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         time.sleep(0.5)
-        now = engine.remote_tier().entries()
+        now = engine.facet(RemoteStore).entries()
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -98,19 +111,19 @@ def settled_entries(
 def test_remote_tier_eviction_within_capacity(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.remote_tier().wipe()
+    engine.facet(RemoteStore).wipe()
     engine.ensure(PERSISTENT)
     block = engine.block_size()
-    chunk_bytes = engine.persistent_tier().block_bytes()
-    capacity = engine.remote_tier().capacity_bytes()
+    chunk_bytes = engine.facet(PersistentTier).block_bytes()
+    capacity = engine.facet(RemoteStore).capacity_bytes()
     per_prompt = 8
     prompts_needed = 2 * capacity // (per_prompt * chunk_bytes)
     peak = 0
     for _ in range(prompts_needed):
         engine.serve_prompt(prompts.fresh(per_prompt * block))
-        engine.persistent_tier().flush()
-        peak = max(peak, sum(engine.remote_tier().entries().values()))
-    engine.persistent_tier().flush()
+        engine.facet(PersistentTier).flush()
+        peak = max(peak, stored_bytes(engine))
+    engine.facet(PersistentTier).flush()
     entries, settled_after = settled_entries(engine)
     held = sum(entries.values())
     verdict.record("remote_settled_after_s", settled_after, "s")
@@ -129,7 +142,9 @@ def test_remote_tier_eviction_within_capacity(
         "bytes",
         note="after eviction the gauge and the store agree",
     )
-    verdict.equal("remote_foreign_objects", engine.remote_tier().objects_total() - len(entries), 0, "objects")
+    verdict.equal(
+        "remote_foreign_objects", engine.facet(RemoteStore).objects_total() - len(entries), 0, "objects"
+    )
     verdict.conclude()
 
 
@@ -138,8 +153,8 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
     block = engine.block_size()
     stored = prompts.fresh(4 * block + 1)
     cold = engine.serve_prompt(stored)
-    engine.persistent_tier().flush()
-    report = engine.remote_tier().down()
+    engine.facet(PersistentTier).flush()
+    report = engine.facet(RemoteStore).down()
     verdict.expect("remote_teardown_leftovers", int(not report.clean), "==", 0, note=report.describe())
     outcomes: dict[str, tuple[str, ServedPrompt | str]] = {}
     for label, tokens in (("fresh", prompts.fresh(4 * block + 1)), ("stored", stored)):
@@ -220,15 +235,15 @@ def test_remote_store_counters_track_pending_writes(
     Several prompts are refused and several stored afterwards, as under a store that is full for
     a while: an engine spreads its stores over several connections, and a fault that breaks only
     the connections a refusal reached shows on all of them only once each has been refused."""
-    engine.remote_tier().wipe()
+    engine.facet(RemoteStore).wipe()
     engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
     block = engine.block_size()
-    chunk_bytes = engine.persistent_tier().block_bytes()
+    chunk_bytes = engine.facet(PersistentTier).block_bytes()
     chunks = 8
     names = engine.metric_names
     l1_before = engine.metric("l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
 
-    engine.remote_tier().pause_writes(PAUSE_S)
+    engine.facet(RemoteStore).pause_writes(PAUSE_S)
     paused_until = time.monotonic() + PAUSE_S
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
     seen: list[float] = []
@@ -245,28 +260,28 @@ def test_remote_store_counters_track_pending_writes(
         note=f"the store held every write for {PAUSE_S:.0f} s: all {chunks} chunks are in flight",
     )
     landed_after = seconds_until_steady(
-        lambda: len(engine.remote_tier().entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
+        lambda: len(engine.facet(RemoteStore).entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
     )
     verdict.record("remote_objects_landed_after_s", landed_after, "s")
-    verdict.equal("remote_objects_after_pause", len(engine.remote_tier().entries()), chunks, "objects")
+    verdict.equal("remote_objects_after_pause", len(engine.facet(RemoteStore).entries()), chunks, "objects")
     pending_before_refusals = pending_objects(engine)
     tasks_before_refusals = pending_tasks(engine) if "l2_store_submitted_requests" in names else 0.0
     verdict.equal("l2_pending_objects_after_pause", pending_before_refusals, 0, "objects")
 
-    refused_before = engine.remote_tier().refused_writes()
+    refused_before = engine.facet(RemoteStore).refused_writes()
     refused = prompts.fresh(chunks * block + block // 3)
-    engine.remote_tier().refuse_writes(True)
+    engine.facet(RemoteStore).refuse_writes(True)
     try:
         cold = engine.serve_prompt(refused)
         for _ in range(REFUSED_PROMPTS - 1):
             engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
         refused_after = seconds_until_steady(
-            lambda: engine.remote_tier().refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
+            lambda: engine.facet(RemoteStore).refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
         )
     finally:
-        engine.remote_tier().refuse_writes(False)
+        engine.facet(RemoteStore).refuse_writes(False)
     verdict.record("remote_refusals_after_s", refused_after, "s")
-    refused_total = engine.remote_tier().refused_writes()
+    refused_total = engine.facet(RemoteStore).refused_writes()
     verdict.expect(
         "remote_refused_writes",
         refused_total - refused_before,
@@ -306,7 +321,7 @@ def test_remote_store_counters_track_pending_writes(
     if "l2_usage_bytes" in names:
         verdict.equal(
             "l2_usage_bytes_vs_remote_after_failed_stores",
-            engine.metric("l2_usage_bytes", engine.metrics()) - sum(engine.remote_tier().entries().values()),
+            engine.metric("l2_usage_bytes", engine.metrics()) - stored_bytes(engine),
             0,
             "bytes",
             note="the usage gauge counts what the remote store holds: a refused write adds nothing",
@@ -331,7 +346,7 @@ def test_remote_store_counters_track_pending_writes(
     # Fresh prompts, not the refused ones: L2 is written behind L1 and a chunk still resident in
     # L1 is not stored again (LMCache 0.5.6 L1Manager.reserve_write -> KEY_NOT_WRITABLE), so
     # only new chunks show whether the tier takes writes again.
-    held_before_again = len(engine.remote_tier().entries())
+    held_before_again = len(engine.facet(RemoteStore).entries())
     snap_before_again = engine.metrics()
     completed_before_again = engine.metric("l2_store_completed", snap_before_again)
     submitted_before_again = engine.metric("l2_store_submitted", snap_before_again)
@@ -357,7 +372,7 @@ def test_remote_store_counters_track_pending_writes(
     )
     verdict.record(
         "remote_objects_after_refusals_end",
-        len(engine.remote_tier().entries()) - held_before_again,
+        len(engine.facet(RemoteStore).entries()) - held_before_again,
         "objects",
         note=f"of {fresh}; recorded: a client that misreads the store's replies can still send "
         "a write the store keeps (how many depends on how the engine batches its stores), so "
@@ -365,7 +380,7 @@ def test_remote_store_counters_track_pending_writes(
     )
     verdict.record(
         "remote_refused_writes_after_refusals_end",
-        engine.remote_tier().refused_writes() - refused_total,
+        engine.facet(RemoteStore).refused_writes() - refused_total,
         "writes",
         note="counted by the store: 0 means it refused nothing more",
     )

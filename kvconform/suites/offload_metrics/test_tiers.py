@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
@@ -33,7 +33,7 @@ def test_tiered_store_metrics_consistent(
     judged = [name for name in L2_ACCOUNTING if name in names]
     if not judged:
         pytest.fail(f"{engine.name} declares {C.TIERED_STORE_METRICS} but maps none of {L2_ACCOUNTING}")
-    tier = engine.persistent_tier()
+    tier = engine.facet(PersistentTier)
     entries_before = tier.sizes()
     before = engine.metrics()
     block = engine.block_size()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.contract import CacheEvent, EngineAdapter, IndexBlock, IndexEvent
+from kvconform.contract import CacheEvent, EngineAdapter, IndexBlock, IndexEvent, RadixCacheModel, RouterIndex
 from kvconform.contract import Capability as C
 from kvconform.results import Verdict
 
@@ -52,7 +52,7 @@ def to_index_events(events: list[CacheEvent], first_id: int) -> list[IndexEvent]
 def test_events_replayed_into_router_index_match(
     engine: EngineAdapter, index_engine: EngineAdapter, verdict: Verdict
 ) -> None:
-    cache = engine.radix_cache(PAGE, 1024)
+    cache = engine.facet(RadixCacheModel).new_cache(PAGE, 1024)
     base = list(range(100, 164))
     sequences = [base + list(range(500 + 40 * i, 540 + 40 * i)) for i in range(6)]
     sequences += [base[:32] + list(range(900, 980)), list(range(2000, 2100))]
@@ -60,7 +60,7 @@ def test_events_replayed_into_router_index_match(
         cache.insert(tokens)
     cache.evict(200)  # removals reach the index too
     events = cache.take_events(router_hashes=True)
-    index = index_engine.router_index()
+    index = index_engine.facet(RouterIndex)
     index.new_tree("cross")
     applied = index.apply("cross", to_index_events(events, 1))
     verdict.record("events", len(events))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -31,7 +31,7 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
     block = engine.block_size()
     prompt = prompts.fresh(8 * block + block // 3)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
-    engine.persistent_tier().flush()
+    engine.facet(PersistentTier).flush()
     reports = engine.restart()
     verdict.expect(
         "teardown_leftovers",
@@ -61,12 +61,12 @@ def test_corrupt_persisted_entry_recomputed(
 ) -> None:
     engine.ensure(PERSISTENT)
     block = engine.block_size()
-    before = set(engine.persistent_tier().files())
+    before = set(engine.facet(PersistentTier).files())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
-    engine.persistent_tier().flush()
+    engine.facet(PersistentTier).flush()
     engine.stop()  # the process is gone before its files are touched
-    damaged = [p for p in engine.persistent_tier().files() if p not in before]
+    damaged = [p for p in engine.facet(PersistentTier).files() if p not in before]
     verdict.require("entries_damaged", len(damaged), ">=", 1, note="the prompt must have been persisted")
     for path in damaged:
         data = path.read_bytes()

@@ -3,11 +3,11 @@
 A Hypothesis state machine drives the real cache (insert on the scheduler's request path,
 match, lock, unlock, evict) against a simple model of what was inserted and what is locked:
   - free + cached = capacity, and evictable + protected = cached, after every step;
-  - a match never returns more than the longest page-aligned prefix ever inserted, and never
-    less than the longest page-aligned prefix the model knows is still cached (inserted since
-    the last step that could evict: an evict, or an insert the free pool could not hold
-    without evicting; locked prefixes stay cached through both), so with no eviction in
-    between a match is exact;
+  - a match (of a cached prompt, or of a shorter one cut anywhere in a page) never returns
+    more than the longest page-aligned prefix ever inserted, and never less than the longest
+    page-aligned prefix the model knows is still cached (inserted since the last step that
+    could evict: an evict, or an insert the free pool could not hold without evicting; locked
+    prefixes stay cached through both), so with no eviction in between a match is exact;
   - a locked prefix is never evicted;
   - after everything is unlocked and evicted, the cache is empty and the hashes it reported
     stored equal the hashes it reported removed (its KV events account for every block).
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, RadixSizes
+from kvconform.contract import EngineAdapter, RadixCacheModel, RadixSizes
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.RADIX_CACHE_MODEL)
@@ -51,7 +51,7 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[RadixSizes]) -
 
         def __init__(self) -> None:
             super().__init__()
-            self.cache = engine.radix_cache(page, CAPACITY)
+            self.cache = engine.facet(RadixCacheModel).new_cache(page, CAPACITY)
             self.inserted: list[list[int]] = []
             self.locks: list[tuple[int, list[int], int]] = []  # handle, tokens, locked length
             self.cached: list[list[int]] = []  # what the model knows is still cached
@@ -109,6 +109,12 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[RadixSizes]) -
             assert found <= self.longest_inserted(tokens), f"match {found} > longest inserted prefix"
             floor = self.longest_cached(tokens)
             assert found >= floor, f"match {found} < {floor} tokens the model knows are cached (lost hits)"
+
+        @rule(tokens=sequences, cut=st.integers(1, 40))
+        def match_shorter(self, tokens: list[int], cut: int) -> None:
+            """A new request sharing only part of a cached prompt, cut anywhere in a page: the
+            cache may reuse whole pages only."""
+            self.match(tokens[: max(1, len(tokens) - cut)])
 
         @rule(tokens=sequences)
         def lock(self, tokens: list[int]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, RemoteStore
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -42,18 +42,18 @@ def test_remote_damaged_entry_recomputed(
     block = engine.block_size()
     intact = prompts.fresh(4 * block + 1)
     intact_cold = engine.serve_prompt(intact)
-    engine.persistent_tier().flush()
-    kept = set(engine.remote_tier().entries())
+    engine.facet(PersistentTier).flush()
+    kept = set(engine.facet(RemoteStore).entries())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt)
-    engine.persistent_tier().flush()
+    engine.facet(PersistentTier).flush()
     engine.stop()  # the engine is gone before its entries are touched; the remote store is not
-    targets = sorted(set(engine.remote_tier().entries()) - kept)
+    targets = sorted(set(engine.facet(RemoteStore).entries()) - kept)
     verdict.require(
         "entries_damaged", len(targets), ">=", 1, note="the prompt must have reached the remote tier"
     )
     for key in targets:
-        engine.remote_tier().write(key, damaged(engine.remote_tier().read(key), damage))
+        engine.facet(RemoteStore).write(key, damaged(engine.facet(RemoteStore).read(key), damage))
     engine.ensure(PERSISTENT)
     warm = engine.serve_prompt(prompt)
     verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
@@ -67,7 +67,7 @@ def test_remote_damaged_entry_recomputed(
         note="a prompt whose entries were not damaged is still served whole after the damaged read",
     )
     verdict.equal("intact_prefix_output_identical", int(after.output == intact_cold.output), 1)
-    engine.persistent_tier().flush()
+    engine.facet(PersistentTier).flush()
     engine.restart()  # what the session after the damaged read left in the store
     again = engine.serve_prompt(intact)
     verdict.record("intact_prefix_hits_next_session", again.cached_tokens, "tokens")

@@ -29,7 +29,7 @@ def distinct_prefixes(requests: dict[str, list[int]]) -> int:
 
 
 def test_block_tracker_ownership_and_drain(engine: EngineAdapter, verdict: Verdict) -> None:
-    tracker: ActiveBlockTracker = engine.block_tracker()
+    tracker: ActiveBlockTracker = engine.facet(ActiveBlockTracker)
     answer = tracker.register_worker(WORKER, BLOCK)
     verdict.require("register_accepted", answer.is_(Outcome.ACCEPTED), "==", 1, note=answer.detail)
     answer = tracker.register_worker(WORKER, BLOCK)

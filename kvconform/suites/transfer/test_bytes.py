@@ -24,7 +24,7 @@ PAGE_SIZES = [1, 4, 16, 32]
 
 def _transfer(engine: EngineAdapter, layout: str | None, page_size: int, destinations: int = 1) -> KvTransfer:
     """The engine's transfer facet, or a skip naming the shape it does not transfer."""
-    transfer = engine.kv_transfer()
+    transfer = engine.facet(KvTransfer)
     if layout is not None and layout not in transfer.layouts:
         pytest.skip(f"engine {engine.name} has no {layout} transfer layout")
     if page_size not in transfer.page_sizes:

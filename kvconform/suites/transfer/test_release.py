@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer
 from kvconform.errors import EngineError
 from kvconform.events import LedgerVerdict
 from kvconform.prompts import PromptFactory
@@ -217,7 +217,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
                 "requests",
                 note=f"read until 0, up to {settle_s:.1f} s after the cuts ({ABORT_MAX_TOKENS} tokens each)",
             )
-    if has(C.TRANSFER_ACCOUNTING) and (transfer := engine.kv_transfer()).aborts:
+    if has(C.TRANSFER_ACCOUNTING) and (transfer := engine.facet(KvTransfer)).aborts:
         transfer.transfer(prompts.fresh(4 * block + 1), transfer.layouts[0], 1, 1, abort_after_pages=3)
     if "kv_usage" in engine.metric_names:
         t0 = time.monotonic()

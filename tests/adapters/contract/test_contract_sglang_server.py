@@ -22,7 +22,7 @@ import pytest
 import kvconform.adapters.sglang_server.adapter as server_module
 from kvconform.adapters.sglang.adapter import INPROCESS_CAPABILITIES, SglangAdapter
 from kvconform.adapters.sglang_server.adapter import STUB_DIRS, SglangServerAdapter
-from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import AdapterContext, EngineConfig, RadixCacheModel
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
@@ -185,8 +185,8 @@ def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     caps = launched.supported()
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
-    with pytest.raises(NotImplementedError, match=r"in-process only \(--engine sglang\)"):
-        launched.radix_cache(16, 1024)
+    with pytest.raises(NotImplementedError, match="engine sglang-server provides no RadixCacheModel facet"):
+        launched.facet(RadixCacheModel)
     with pytest.raises(UsageError, match="--engine sglang-server"):
         SglangAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
 
