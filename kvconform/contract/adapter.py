@@ -21,18 +21,16 @@ from kvconform import envs, timing
 from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
 from kvconform.contract.types import (
     AdapterContext,
-    BlockPoolStats,
     EngineConfig,
     EngineTraits,
     LaunchProfile,
     ModelShape,
-    ReleaseTwice,
     ServedPrompt,
 )
 from kvconform.envs import BuiltEnv
 from kvconform.errors import UsageError
 from kvconform.events import EventLedger
-from kvconform.memory import MemoryMeasure, MemorySample, sample_processes
+from kvconform.memory import MemoryMeasure
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 from kvconform.results import Measure
@@ -55,7 +53,8 @@ def provides(kind: type) -> Callable[[MakerT], MakerT]:
 
 @cache
 def facet_makers(cls: type) -> dict[type, str]:
-    """Facet kind -> the name of the method of `cls` that makes it (marked @provides)."""
+    """Facet kind -> the name of the method of `cls` that makes it (marked @provides); a facet
+    `cls` inherits is provided by the adapter itself."""
     makers: dict[type, str] = {}
     for klass in reversed(cls.__mro__):
         for name, member in vars(klass).items():
@@ -90,6 +89,11 @@ class EngineAdapter(ABC):
         self.base_url: str | None = ctx.url
         self.ledger = EventLedger()
         self._env: BuiltEnv | None = None
+        # Why the last request failed at the transport (timed out, connection refused): the
+        # next ensure() makes sure the engine still answers before a check relies on it.
+        self._suspect: str | None = None
+        self._lost: str | None = None  # attach mode: the engine went away; the rest is skipped
+        self.relaunch_notes: list[str] = []  # what happened to the engine during the check
 
     def launch_profile(self, *engines: str) -> LaunchProfile:
         """The context's launch profile (the default one without a file), refused unless it is
@@ -167,11 +171,6 @@ class EngineAdapter(ABC):
         return self.default_block_size
 
     # ---- lifecycle ----------------------------------------------------------------------
-    # Why the last request failed at the transport (timed out, connection refused): the next
-    # ensure() makes sure the engine still answers before a check relies on it.
-    _suspect: str | None = None
-    _lost: str | None = None  # attach mode: the engine went away; the rest is skipped
-
     def ensure(self, config: EngineConfig | None = None) -> None:
         """Have the engine running in `config` (default config if None); restart if needed.
 
@@ -191,13 +190,13 @@ class EngineAdapter(ABC):
                 self._suspect = None
                 return
             lost = "its process died" if not self.running() else f"it stopped answering ({self._suspect})"
-        reports = self.timed_stop() if self.config is not None else []
+        reports = timed_stop(self) if self.config is not None else []
         self._suspect = None
-        self.timed_start(config)
+        timed_start(self, config)
         self.config = config
         if lost is not None:
             teardown = "; ".join(r.describe() for r in reports) or "nothing to tear down"
-            self._notes().append(
+            self.relaunch_notes.append(
                 f"engine {self.name} relaunched before this check: {lost}; teardown: {teardown}"
             )
 
@@ -217,14 +216,6 @@ class EngineAdapter(ABC):
                 "cannot relaunch it, so the rest of the session is skipped"
             )
 
-    def _notes(self) -> list[str]:
-        return self.__dict__.setdefault("_relaunch_notes", [])
-
-    def take_notes(self) -> list[dict[str, Any]]:
-        """What happened to the engine for the running check (a relaunch), as record measures."""
-        notes, self.__dict__["_relaunch_notes"] = self._notes(), []
-        return [asdict(Measure("engine_relaunched", note)) for note in notes]
-
     def start(self, config: EngineConfig) -> None:
         raise NotImplementedError
 
@@ -235,18 +226,10 @@ class EngineAdapter(ABC):
 
     def restart(self) -> list[TeardownReport]:
         config = self.config or EngineConfig()
-        reports = self.timed_stop()
-        self.timed_start(config)
+        reports = timed_stop(self)
+        timed_start(self, config)
         self.config = config
         return reports
-
-    def timed_start(self, config: EngineConfig) -> None:
-        with timing.starting(self.name):
-            self.start(config)
-
-    def timed_stop(self) -> list[TeardownReport]:
-        with timing.stopping(self.name):
-            return self.stop()
 
     def running(self) -> bool:
         return self.config is not None
@@ -258,7 +241,7 @@ class EngineAdapter(ABC):
 
     def close(self) -> None:
         if not self.attached:
-            self.timed_stop()
+            timed_stop(self)
 
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
@@ -271,17 +254,8 @@ class EngineAdapter(ABC):
         ServedPrompt.output."""
         raise NotImplementedError
 
-    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
-        """serve_prompt under a cache salt (CACHE_SALT): the engine's documented per-request
-        salt, which keeps the prompt's cached prefix apart from every other salt's."""
-        raise NotImplementedError
-
     def reset_prefix_cache(self) -> None:
         raise NotImplementedError
-
-    def queried_tokens(self, prompt_tokens: int) -> int:
-        """Tokens the engine's query counter should move by for one prompt."""
-        return prompt_tokens
 
     def metrics(self) -> MetricSnapshot:
         raise NotImplementedError
@@ -302,64 +276,10 @@ class EngineAdapter(ABC):
     def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
         return self.metric(logical, after) - self.metric(logical, before)
 
-    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
-        """(tokens the router predicted cached, what the worker then reported)."""
-        raise NotImplementedError
-
-    def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
-        """KV events the router applied between two snapshots, by status ("ok" and each way of
-        failing); None: the engine does not say. An engine that says must export the metric:
-        absent after routed traffic is an EngineError naming it, never zero events."""
-        return None
-
-    def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        """Serve a prompt through the prefill -> decode deployment (EngineConfig(disaggregated)):
-        prompt_tokens as the decode side counted them, cached_tokens the prefix reuse the
-        prefill side had, output the decode side's answer (`max_tokens` greedy ids, where
-        ANSWERS_FROM_KV), and source["handoff"] the prompt tokens the decode side received
-        from the prefill rather than computed, where the engine says (absent: not judged)."""
-        raise NotImplementedError
-
-    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
-        """Start a streaming completion and drop the connection after `after_chunks` token
-        chunks. Returns the token chunks received before the drop, 0 when the stream finished
-        first (then no request was aborted)."""
-        raise NotImplementedError
-
-    def stream_outlives(self, tokens: list[int], max_tokens: int, seconds: float) -> bool:
-        """Whether a streaming completion of `max_tokens` is still running `seconds` after it
-        started (then the connection is dropped); False when it finished first."""
-        raise NotImplementedError
-
-    def requests_in_flight(self) -> int | None:
-        """Requests the engine runs or queues now, by its live count (not a gauge refreshed
-        later); None where the engine has no live count (nothing is judged)."""
-        return None
-
     def healthy(self) -> bool:
         """Whether the engine answers now (after a request failed: the next check relaunches
         it if not)."""
         return self.running()
-
-    def kv_pool_bytes(self) -> int:
-        """Bytes of the device KV pool the suite configured."""
-        raise NotImplementedError
-
-    def l1_capacity_bytes(self) -> int:
-        """Bytes of the first cache tier (TIERED_STORE_METRICS) the suite configured."""
-        raise NotImplementedError
-
-    def cache_capacity_tokens(self) -> int:
-        """Device prefix-cache capacity, from the configuration the suite gave the engine."""
-        raise NotImplementedError
-
-    def resident_blocks_reported(self) -> int | None:
-        """Cached blocks the engine says it holds (None: it does not say)."""
-        return None
-
-    def block_pool_stats(self) -> list[BlockPoolStats]:
-        """Every iteration's block-pool stats reported by this engine instance, oldest first."""
-        raise NotImplementedError
 
     def drain_events(self) -> int:
         """Make sure every event emitted so far is in the ledger (KV_EVENTS); fill transport
@@ -370,19 +290,16 @@ class EngineAdapter(ABC):
     # ---- features: typed facets (kvconform.contract.facets) ------------------------------
     def facet(self, kind: type[FacetT]) -> FacetT:
         """This engine's `kind` facet (persistent tier, offload tier, instance churn, ...),
-        made by the adapter's method marked @provides(kind); NotImplementedError naming both
-        where the adapter has none (registration refuses a capability without its facet)."""
+        made by the adapter's method marked @provides(kind), or the adapter itself where it
+        inherits `kind`; NotImplementedError naming both where it has none (registration
+        refuses a capability without its facet)."""
         maker = facet_makers(type(self)).get(kind)
-        if maker is None:
-            raise NotImplementedError(f"engine {self.name} provides no {kind.__name__} facet")
-        made: FacetT = getattr(self, maker)()
-        return made
-
-    # ---- transfer (RELEASE_GUARD) -------------------------------------------------------
-    def release_twice(self, tokens: list[int]) -> ReleaseTwice:
-        """Release one request's KV (a fresh prompt, nothing cached) twice through the engine's
-        own abort/failure release path, and say what each release did."""
-        raise NotImplementedError
+        if maker is not None:
+            made: FacetT = getattr(self, maker)()
+            return made
+        if isinstance(self, kind):
+            return self
+        raise NotImplementedError(f"engine {self.name} provides no {kind.__name__} facet")
 
     # ---- memory churn (INSTANCE_CHURN) ---------------------------------------------------
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
@@ -394,9 +311,6 @@ class EngineAdapter(ABC):
     def engine_pids(self) -> list[int]:
         """Every live process of the engine (its whole tree)."""
         raise NotImplementedError
-
-    def memory_sample(self) -> MemorySample:
-        return sample_processes(self.engine_pids())
 
     def log_tail(self, lines: int = 40) -> str:
         return ""
@@ -411,3 +325,20 @@ class EngineAdapter(ABC):
     def describe_logs(self) -> dict[str, str]:
         """Log tails by process name, attached to the report on failure."""
         return {}
+
+
+def timed_start(adapter: EngineAdapter, config: EngineConfig) -> None:
+    with timing.starting(adapter.name):
+        adapter.start(config)
+
+
+def timed_stop(adapter: EngineAdapter) -> list[TeardownReport]:
+    with timing.stopping(adapter.name):
+        return adapter.stop()
+
+
+def take_relaunch_notes(adapter: EngineAdapter) -> list[dict[str, Any]]:
+    """What happened to the engine during the running check (a relaunch), as record measures;
+    the adapter's list starts over."""
+    notes, adapter.relaunch_notes = adapter.relaunch_notes, []
+    return [asdict(Measure("engine_relaunched", note)) for note in notes]

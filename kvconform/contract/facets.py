@@ -1,8 +1,10 @@
 """Capability facets: what a suite asks of an engine feature, stated as behaviour.
 
 A facet is an engine's feature seen through the suite's questions, never through one engine's
-routes, op names or status codes: an adapter returns an object implementing it, and maps its
-engine's wire protocol onto it there.
+routes, op names or status codes. An adapter provides one either by inheriting it (its own
+methods implement it: the facets below whose methods are named to sit on an adapter) or with
+a method marked @provides(Facet) that returns an object implementing it; suites ask
+engine.facet(Facet) either way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from kvconform.contract.types import SecondRelease, TransferResult
+from kvconform.contract.types import BlockPoolStats, ReleaseTwice, SecondRelease, ServedPrompt, TransferResult
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 
@@ -405,3 +407,95 @@ class KvTransfer(ABC):
         abort_after_pages: int | None = None,
     ) -> TransferResult:
         """Prefill `tokens` and transfer their KV to `destinations` decode ranks."""
+
+
+# ---- facets an adapter usually implements itself (inherits) --------------------------------
+
+
+class KvPool(ABC):
+    """The device KV pool the suite configured, and what the engine says is in it
+    (FORCED_EVICTION, LONG_SESSION, BLOCK_POOL_STATS; the KV-event ledger's completeness check
+    where the engine counts its cached blocks). A cache server's pool (LMCache) is its L1."""
+
+    @abstractmethod
+    def cache_capacity_tokens(self) -> int:
+        """Device prefix-cache capacity, from the configuration the suite gave the engine."""
+
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the device KV pool the suite configured (LONG_SESSION)."""
+        raise NotImplementedError(f"{type(self).__name__} does not size its KV pool in bytes")
+
+    def resident_blocks_reported(self) -> int | None:
+        """Cached blocks the engine says it holds (None: it does not say)."""
+        return None
+
+    def block_pool_stats(self) -> list[BlockPoolStats]:
+        """Every iteration's block-pool stats reported by this engine instance, oldest first
+        (BLOCK_POOL_STATS)."""
+        raise NotImplementedError(f"{type(self).__name__} reports no block-pool stats")
+
+
+class StreamAborts(ABC):
+    """Streaming completions the suite cuts mid-way, and the engine's live count of the requests
+    it runs (ABORT_REQUESTS). kvconform.kit.http_api.HttpApi implements the streams."""
+
+    @abstractmethod
+    def stream_and_disconnect(self, tokens: list[int], after_chunks: int, max_tokens: int = 256) -> int:
+        """Start a streaming completion and drop the connection after `after_chunks` token
+        chunks. Returns the token chunks received before the drop, 0 when the stream finished
+        first (then no request was aborted)."""
+
+    @abstractmethod
+    def stream_outlives(self, tokens: list[int], max_tokens: int, seconds: float) -> bool:
+        """Whether a streaming completion of `max_tokens` is still running `seconds` after it
+        started (then the connection is dropped); False when it finished first."""
+
+    def requests_in_flight(self) -> int | None:
+        """Requests the engine runs or queues now, by its live count (not a gauge refreshed
+        later); None where the engine has no live count (nothing is judged)."""
+        return None
+
+
+class KvRouter(ABC):
+    """A KV-aware router in front of workers (ROUTER_PREDICTION): the overlap it predicts for
+    a request against what the worker it picked then reports."""
+
+    @abstractmethod
+    def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
+        """(tokens the router predicted cached, what the worker then reported)."""
+
+    def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float] | None:
+        """KV events the router applied between two snapshots, by status ("ok" and each way of
+        failing); None: the engine does not say. An engine that says must export the metric:
+        absent after routed traffic is an EngineError naming it, never zero events."""
+        return None
+
+
+class SaltedPrompts(ABC):
+    """The engine's documented per-request cache salt (CACHE_SALT)."""
+
+    @abstractmethod
+    def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
+        """serve_prompt under `salt`, which keeps the prompt's cached prefix apart from every
+        other salt's."""
+
+
+class DisaggregatedServing(ABC):
+    """A prefill -> decode deployment (DISAGG_SERVING, launched with EngineConfig(disaggregated))."""
+
+    @abstractmethod
+    def serve_disaggregated(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
+        """Serve a prompt through it: prompt_tokens as the decode side counted them,
+        cached_tokens the prefix reuse the prefill side had, output the decode side's answer
+        (`max_tokens` greedy ids, where ANSWERS_FROM_KV), and source["handoff"] the prompt
+        tokens the decode side received from the prefill rather than computed, where the
+        engine says (absent: not judged)."""
+
+
+class ReleaseGuard(ABC):
+    """The engine's guard against releasing one request's KV twice (RELEASE_GUARD)."""
+
+    @abstractmethod
+    def release_twice(self, tokens: list[int]) -> ReleaseTwice:
+        """Release one request's KV (a fresh prompt, nothing cached) twice through the
+        engine's own abort/failure release path, and say what each release did."""

@@ -12,18 +12,26 @@ from kvconform.contract.adapter import EngineAdapter, facet_makers
 from kvconform.contract.capabilities import Capability as C
 from kvconform.contract.facets import (
     ActiveBlockTracker,
+    DisaggregatedServing,
     InstanceChurn,
+    KvPool,
+    KvRouter,
     KvTransfer,
     OffloadTier,
     PersistentTier,
     RadixCacheModel,
+    ReleaseGuard,
     RemoteStore,
     RouterIndex,
+    SaltedPrompts,
+    StreamAborts,
     TraceReplay,
 )
 
-# A contract method by name, or a facet by its type.
+# A method by name (the adapter's own or its inherited facet's), or a facet by its type.
 Need = str | type
+# Where the stubs live: a method still from here is not provided.
+STUB_MODULES = ("kvconform.contract.adapter", "kvconform.contract.facets")
 
 NEEDS: dict[C, tuple[Need, ...]] = {
     C.PREFIX_CACHE: ("serve_prompt",),
@@ -31,28 +39,30 @@ NEEDS: dict[C, tuple[Need, ...]] = {
     C.RESET_PREFIX_CACHE: ("reset_prefix_cache",),
     C.PERSISTENT_PREFIX: (PersistentTier,),
     C.CORRUPT_PERSISTED: (PersistentTier,),
-    C.FORCED_EVICTION: ("cache_capacity_tokens",),
-    C.CACHE_SALT: ("serve_salted",),
+    C.FORCED_EVICTION: (KvPool,),
+    C.CACHE_SALT: (SaltedPrompts,),
     C.HOST_MEMORY: ("engine_pids",),
+    C.KV_EVENTS: (KvPool,),  # the ledger is judged against the pool
     C.INSTANCE_CHURN: (InstanceChurn, "reclaim_probe"),
     C.INSTANCE_REGISTRY: (InstanceChurn,),
-    C.LONG_SESSION: ("kv_pool_bytes",),
+    C.LONG_SESSION: (KvPool, "kv_pool_bytes"),
     C.OFFLOAD_GAUGES: (OffloadTier, "metrics"),
     C.OFFLOAD_STORE_FAILURE: (OffloadTier, "metrics"),
     C.OFFLOAD_HOST_HITS: (OffloadTier, "metrics"),
     C.OFFLOAD_STORE_THRESHOLD: (OffloadTier, "metrics"),
-    # l1_capacity_bytes too, but only where the engine reports an L1 usage ratio to judge it by
+    # KvPool too, but only where the engine reports an L1 usage ratio to judge it by
     C.TIERED_STORE_METRICS: ("metrics", PersistentTier),
-    C.BLOCK_POOL_STATS: ("block_pool_stats",),
+    C.BLOCK_POOL_STATS: (KvPool, "block_pool_stats"),
     C.TRANSFER_ACCOUNTING: (KvTransfer,),
     C.PAGE_INDEX: (KvTransfer,),
-    C.RELEASE_GUARD: ("release_twice",),
+    C.RELEASE_GUARD: (ReleaseGuard,),
+    C.ABORT_REQUESTS: (StreamAborts,),
     C.BLOCK_TRACKER: (ActiveBlockTracker,),
     C.RADIX_INDEX: (RouterIndex,),
     C.RADIX_CACHE_MODEL: (RadixCacheModel,),
-    C.ROUTER_PREDICTION: ("serve_routed",),
+    C.ROUTER_PREDICTION: (KvRouter,),
     C.TRACE_REPLAY: (TraceReplay,),
-    C.DISAGG_SERVING: ("serve_disaggregated",),
+    C.DISAGG_SERVING: (DisaggregatedServing,),
     C.REMOTE_TIER: (RemoteStore,),
 }
 
@@ -63,8 +73,9 @@ def need_name(need: Need) -> str:
 
 def provided(cls: type[EngineAdapter], need: Need) -> bool:
     if isinstance(need, str):
-        return getattr(cls, need) is not getattr(EngineAdapter, need)
-    return need in facet_makers(cls)
+        method = getattr(cls, need, None)
+        return method is not None and getattr(method, "__module__", None) not in STUB_MODULES
+    return need in facet_makers(cls) or issubclass(cls, need)
 
 
 def missing_methods(cls: type[EngineAdapter]) -> dict[C, list[str]]:

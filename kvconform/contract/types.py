@@ -68,6 +68,9 @@ class EngineTraits:
     # The engine numbers its event batches itself (False: the adapter numbers what it reads,
     # so sequence gaps and regressions cannot show and are recorded, not judged).
     event_seq_from_engine: bool = True
+    # The engine's prefix-query counter counts whole blocks only (a prompt's shorter tail is
+    # never looked up), so one prompt moves it by its whole blocks' tokens.
+    queries_whole_blocks: bool = False
 
 
 @dataclass(frozen=True)

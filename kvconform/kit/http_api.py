@@ -1,6 +1,7 @@
 """An engine's HTTP API, for an adapter to compose before EngineAdapter in its bases: one
 session per thread, JSON and Prometheus requests whose failures are EngineErrors naming the
-engine (with its log tail), OpenAI-style completions and the streams the abort checks cut."""
+engine (with its log tail), OpenAI-style completions and the streams the abort checks cut (the
+StreamAborts facet; an adapter adds its engine's live request count, requests_in_flight)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import requests
 
 from kvconform import timing
+from kvconform.contract.facets import StreamAborts
 from kvconform.contract.types import ServedPrompt
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.server import wait_http_ok
@@ -20,9 +22,10 @@ from kvconform.metrics import MetricSnapshot, parse_prometheus
 if TYPE_CHECKING:
     from kvconform.contract import EngineAdapter
 
-    _Base = EngineAdapter
+    class _Base(EngineAdapter, StreamAborts):  # the adapter this is composed into
+        pass
 else:
-    _Base = object
+    _Base = StreamAborts
 
 
 class HttpApi(_Base):

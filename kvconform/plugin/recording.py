@@ -15,6 +15,7 @@ import pytest
 
 from kvconform import findings, report, timing
 from kvconform.checkids import from_nodeid
+from kvconform.contract.adapter import take_relaunch_notes
 from kvconform.memory import nvml
 from kvconform.plugin.collection import check_id, engine_of
 from kvconform.plugin.fixtures import outcome_key, verdict_key
@@ -92,7 +93,7 @@ class Recording:
                 "engine": name or "-",
                 "engine_version": adapter.version if adapter else "-",
                 "measures": (verdict.as_dict()["measures"] if verdict else [])
-                + (adapter.take_notes() if adapter is not None else []),  # a relaunch
+                + (take_relaunch_notes(adapter) if adapter is not None else []),  # a relaunch
                 "violated": [m.name for m in verdict.failures] if verdict else [],
             }
             if item.stash.get(_inconclusive_key, False):

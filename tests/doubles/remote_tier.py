@@ -34,6 +34,7 @@ from kvconform.contract import (
     Capability,
     EngineConfig,
     EngineTraits,
+    KvPool,
     PersistentTier,
     RemoteStore,
     ServedPrompt,
@@ -351,7 +352,7 @@ class Connection:
         return value
 
 
-class RemoteTierDouble(DoubleAdapter):
+class RemoteTierDouble(DoubleAdapter, KvPool):
     """Test double (not an engine) of a prefix cache with a remote (Redis-like) L2 tier."""
 
     name = "testdouble_remote_tier"

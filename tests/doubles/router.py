@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, ServedPrompt
+from kvconform.contract import Capability, KvPool, KvRouter, ServedPrompt
 from kvconform.engines.reference.faults import Fault
 from kvconform.metrics import MetricSnapshot
 from tests.doubles.base import DoubleAdapter
@@ -129,7 +129,7 @@ class Router:
         return matched * self.block
 
 
-class RouterDouble(DoubleAdapter):
+class RouterDouble(DoubleAdapter, KvPool, KvRouter):
     """Test double (not an engine) for ROUTER_PREDICTION over one prefix-caching worker."""
 
     name = "testdouble_router"

@@ -245,7 +245,7 @@ def test_lmcache_argv_and_client_layout_from_profile(tmp_path: Path):
     joined = " ".join(plain)
     assert plain[0] == "server" and "--chunk-size 256" in joined and "--l1-size-gb 16" in joined
     assert plain[-6:] == list(profile.extra_args) and "--l2-adapter" in persistent
-    assert adapter.l1_capacity_bytes() == 16 * 2**30
+    assert adapter.kv_pool_bytes() == 16 * 2**30
     assert adapter.register_args() == {
         "num_layers": 32,
         "num_heads": 8,

@@ -12,6 +12,7 @@ from kvconform.contract import (
     AdapterContext,
     EngineAdapter,
     InstanceChurn,
+    KvPool,
     PersistentTier,
     ServedPrompt,
     provides,
@@ -80,7 +81,22 @@ def test_a_facet_is_found_through_its_mark_and_refused_by_name_without_one(tmp_p
 def test_every_listed_need_is_a_contract_stub_or_a_facet_type() -> None:
     for capability, needs in NEEDS.items():
         for need in needs:
-            if isinstance(need, str):
-                assert callable(getattr(EngineAdapter, need, None)), (capability, need)
+            if isinstance(need, str):  # a core stub, or a method of a facet the capability needs
+                owners = [EngineAdapter, *(n for n in needs if isinstance(n, type))]
+                assert any(callable(getattr(o, need, None)) for o in owners), (capability, need)
             else:
                 assert isinstance(need, type) and need.__module__ == "kvconform.contract.facets", need
+
+
+class PoolWithoutBytes(EngineAdapter, KvPool):
+    """Inherits the KvPool facet but leaves the method the long session needs as its stub."""
+
+    name = "pool-without-bytes"
+    capabilities = frozenset({C.FORCED_EVICTION, C.LONG_SESSION})
+
+    def cache_capacity_tokens(self) -> int:
+        raise AssertionError("never called")
+
+
+def test_an_inherited_facet_is_provided_but_its_stubs_are_not() -> None:
+    assert missing_methods(PoolWithoutBytes) == {C.LONG_SESSION: ["kv_pool_bytes"]}

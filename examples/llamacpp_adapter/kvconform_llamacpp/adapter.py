@@ -39,6 +39,7 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
     LastToken,
     ModelShape,
     ServedPrompt,
@@ -61,7 +62,7 @@ PROCESSED_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
 
 
-class LlamaCppAdapter(HttpApi, EngineAdapter):
+class LlamaCppAdapter(HttpApi, EngineAdapter, KvPool):
     name = "llamacpp"
     env_spec = "llamacpp"
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).

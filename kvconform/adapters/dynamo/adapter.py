@@ -23,18 +23,23 @@ from kvconform.contract import (
     ActiveBlockTracker,
     AdapterContext,
     Capability,
+    DisaggregatedServing,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
+    KvRouter,
     ModelShape,
     RouterIndex,
+    SaltedPrompts,
     SecondRelease,
     ServedPrompt,
     TraceReplay,
     poll_until,
     provides,
 )
+from kvconform.contract.adapter import timed_stop
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.events import StreamedLedger
 from kvconform.kit.drivers import DriverProcess, engine_side_script, live_driver
@@ -63,7 +68,7 @@ RELEASE_SETTLE_S = 10.0  # a stopped worker leaves the frontend's routable set w
 SHUTDOWN_ERRORS = (" ERROR ", "panicked", "Traceback")  # a second shutdown that was not a no-op
 
 
-class DynamoAdapter(HttpApi, EngineAdapter):
+class DynamoAdapter(HttpApi, EngineAdapter, KvPool, KvRouter, SaltedPrompts, DisaggregatedServing):
     name = "dynamo"
     env_spec = "dynamo"
     default_block_size = 16
@@ -173,7 +178,7 @@ class DynamoAdapter(HttpApi, EngineAdapter):
     def ensure(self, config: EngineConfig | None = None) -> None:
         if self.worker_released:  # the stack a check left one worker short is relaunched in full
             self.worker_released = False
-            self.timed_stop()
+            timed_stop(self)
         super().ensure(config)
 
     def start(self, config: EngineConfig) -> None:

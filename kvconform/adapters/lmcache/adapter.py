@@ -28,9 +28,11 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
     ModelShape,
     PersistentTier,
     RemoteStore,
+    SaltedPrompts,
     SecondRelease,
     ServedPrompt,
     TraceReplay,
@@ -74,12 +76,15 @@ def check(argv):
 """
 
 
-class LmcacheAdapter(HttpApi, EngineAdapter):
+class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts):
     name = "lmcache"
     env_spec = "lmcache"
     default_block_size = 256  # LMCache's chunk size
     # a cache store returns every stored chunk; L1 evicts on a background loop
-    traits = EngineTraits(recomputes_last_token=False, eviction_period_s=L1_EVICTION_PERIOD_S)
+    # lookup_requested_tokens counts whole chunks only (a shorter tail is never looked up)
+    traits = EngineTraits(
+        recomputes_last_token=False, eviction_period_s=L1_EVICTION_PERIOD_S, queries_whole_blocks=True
+    )
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {
@@ -411,10 +416,6 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
         self.ledger.extend(events)
         return 0
 
-    def queried_tokens(self, prompt_tokens: int) -> int:
-        # lookup_requested_tokens counts whole chunks only (a shorter tail is never looked up)
-        return prompt_tokens // self.block_size() * self.block_size()
-
     def reset_prefix_cache(self) -> None:
         self.post_json("/cache/clear", {"tier": "l1", "force": True})
 
@@ -426,9 +427,6 @@ class LmcacheAdapter(HttpApi, EngineAdapter):
 
     def kv_pool_bytes(self) -> int:
         return int(self.l1_gb() * 2**30)
-
-    def l1_capacity_bytes(self) -> int:
-        return self.kv_pool_bytes()  # LMCache's L1 is the KV pool it serves from
 
     def cache_capacity_tokens(self) -> int:
         return self.kv_pool_bytes() // self.model.kv_bytes_per_token()

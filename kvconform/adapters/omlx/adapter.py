@@ -54,6 +54,7 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
     ModelShape,
     PersistentTier,
     SecondRelease,
@@ -111,7 +112,7 @@ def token_ids(text: str) -> list[int]:
     return [int(m.group(1)) for m in WORD.finditer(text or "")]
 
 
-class OmlxAdapter(HttpApi, EngineAdapter):
+class OmlxAdapter(HttpApi, EngineAdapter, KvPool):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
     default_block_size = BLOCK_SIZE

@@ -20,14 +20,18 @@ from kvconform.contract import (
     AdapterContext,
     BlockPoolStats,
     Capability,
+    DisaggregatedServing,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
+    KvRouter,
     KvTransfer,
     ModelShape,
     OffloadTier,
     PersistentTier,
+    ReleaseGuard,
     ReleaseTwice,
     SecondRelease,
     ServedPrompt,
@@ -54,7 +58,9 @@ OFFLOAD_CHUNKS = 64
 DISK_HEADER_BYTES = DISK_HEADER.size
 
 
-class ReferenceAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
+class ReferenceAdapter(
+    ZmqEventFeed, HttpApi, EngineAdapter, KvPool, KvRouter, DisaggregatedServing, ReleaseGuard
+):
     name = "reference"
     env_spec = None
     pytest_options = ("fault",)  # --fault, added by kvconform.adapters.reference.options

@@ -22,9 +22,11 @@ from kvconform.contract import (
     EngineAdapter,
     EngineConfig,
     EngineTraits,
+    KvPool,
     KvTransfer,
     ModelShape,
     RadixCacheModel,
+    SaltedPrompts,
     ServedPrompt,
     provides,
 )
@@ -74,7 +76,7 @@ _EVENT_KINDS: dict[str, Kind] = {
 }
 
 
-class SglangAdapter(EngineAdapter):
+class SglangAdapter(EngineAdapter, KvPool, SaltedPrompts):
     name = "sglang"
     env_spec = "sglang"
     default_block_size = 16  # SGLang's page size

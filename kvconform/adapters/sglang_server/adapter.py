@@ -71,7 +71,9 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
     ModelShape,
+    SaltedPrompts,
     ServedPrompt,
     provides,
 )
@@ -150,7 +152,7 @@ SERVER_METRICS: dict[str, str] = {
 }
 
 
-class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter):
+class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPrompts):
     name = "sglang-server"
     env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE

@@ -64,6 +64,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    KvPool,
     ServedPrompt,
 )
 from kvconform.errors import EngineError, KvconformError, UsageError
@@ -380,7 +381,7 @@ class DrainingConsumer:
         self._thread.join(timeout=10)
 
 
-class TrtllmAdapter(HttpApi, EngineAdapter):
+class TrtllmAdapter(HttpApi, EngineAdapter, KvPool):
     name = "trtllm"
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the adapter reads the real one from kvCacheStats.

@@ -20,10 +20,13 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvPool,
     ModelShape,
     OffloadTier,
     PersistentTier,
+    ReleaseGuard,
     ReleaseTwice,
+    SaltedPrompts,
     ServedPrompt,
     provides,
 )
@@ -100,7 +103,9 @@ TINY_MODEL_DTYPES = {2: "bfloat16", 4: "float32"}
 SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD): a few prompts' worth
 
 
-class VllmAdapter(DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter):
+class VllmAdapter(
+    DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPrompts, ReleaseGuard
+):
     name = "vllm"
     env_spec = "vllm"
     default_block_size = 32  # the CPU attention backend needs a multiple of 32

@@ -35,7 +35,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconform.contract import EngineConfig, KvTransfer, ServedPrompt, TransferResult, provides
+from kvconform.contract import (
+    DisaggregatedServing,
+    EngineConfig,
+    KvTransfer,
+    ServedPrompt,
+    TransferResult,
+    provides,
+)
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError
 from kvconform.kit.server import LaunchedServer
@@ -45,9 +52,10 @@ from kvconform.processes import free_port
 if TYPE_CHECKING:
     from kvconform.kit.http_api import HttpApi
 
-    _Base = HttpApi  # the engine adapter, with its HTTP API
+    class _Base(HttpApi, DisaggregatedServing):  # the engine adapter, with its HTTP API
+        pass
 else:
-    _Base = object
+    _Base = DisaggregatedServing
 
 HANDOFF_CONNECTOR = "ExampleConnector"
 TRANSFER_CONNECTOR = "NixlConnector"

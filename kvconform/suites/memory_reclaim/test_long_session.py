@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool
+from kvconform.memory import sample_processes
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -65,7 +66,7 @@ def converse(engine: EngineAdapter, prompts: PromptFactory, turns: int) -> Conve
     for _turn in range(turns):
         served = engine.serve_prompt(talk.history, max_tokens=OUTPUT_TOKENS)
         talk.cached.append(served.cached_tokens)
-        talk.rss.append(float(engine.memory_sample().rss))
+        talk.rss.append(float(sample_processes(engine.engine_pids()).rss))
         sample = exact_bytes(engine)
         if sample is not None:
             talk.exact.append(sample)
@@ -83,7 +84,7 @@ def test_long_session_bounded(
     rss, exact, cached, history = judged.rss, judged.exact, judged.cached, judged.history
     turn_tokens = OUTPUT_TOKENS + NEW_TOKENS_PER_TURN
     turn_kv = engine.model.kv_bytes_per_token() * turn_tokens
-    pool = engine.kv_pool_bytes()
+    pool = engine.facet(KvPool).kv_pool_bytes()
     bound = pool + NOISY_TOLERANCE_BYTES
     growth = rss[-1] - min(rss[:WARMUP_TURNS])
     trend = theil_sen(rss[WARMUP_TURNS:])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, PersistentTier
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
@@ -117,7 +117,7 @@ def test_tiered_store_metrics_consistent(
         )
     if "l1_usage_ratio" in names:
         ratio = engine.metric("l1_usage_ratio", after)
-        expected = engine.metric("l1_usage_bytes", after) / engine.l1_capacity_bytes()
+        expected = engine.metric("l1_usage_bytes", after) / engine.facet(KvPool).kv_pool_bytes()
         verdict.equal(
             "l1_usage_ratio",
             ratio,

@@ -8,6 +8,13 @@ from kvconform.contract import EngineAdapter
 from kvconform.metrics import MetricSnapshot
 
 
+def queried_tokens(engine: EngineAdapter, prompt_tokens: int) -> int:
+    """Tokens the engine's query counter should move by for one prompt."""
+    if engine.traits.queries_whole_blocks:
+        return prompt_tokens // engine.block_size() * engine.block_size()
+    return prompt_tokens
+
+
 def wait_counted(
     engine: EngineAdapter, before: MetricSnapshot, queried_tokens: int, timeout_s: float = 5.0
 ) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.answers import answer_tokens, judge_same_answer
-from kvconform.suites.prefix_reuse.counters import resolved_block_size, wait_counted
+from kvconform.suites.prefix_reuse.counters import queried_tokens, resolved_block_size, wait_counted
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE)
 
@@ -82,8 +82,8 @@ def test_repeated_prompt_served_from_cache(
     verdict.record("prompt_tokens", len(prompt), "tokens")
     verdict.equal("cached_tokens_in_response", second.cached_tokens, expected, "tokens")
     if before is not None:
-        queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
-        verdict.equal("prefix_queries_counter_delta", queried, cache.queried_tokens(len(prompt)), "tokens")
+        queried, hits = wait_counted(cache, before, queried_tokens(cache, len(prompt)))
+        verdict.equal("prefix_queries_counter_delta", queried, queried_tokens(cache, len(prompt)), "tokens")
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
     judge_same_answer(verdict, "answer_from_cache_vs_cold", second, first, has)
     verdict.conclude()
@@ -111,7 +111,7 @@ def test_reset_drops_cached_prefix(
     after = cache.serve_prompt(prompt, answer_tokens(has))
     verdict.equal("cached_tokens_after_reset", after.cached_tokens, 0, "tokens")
     if before is not None:
-        _queried, hits = wait_counted(cache, before, cache.queried_tokens(len(prompt)))
+        _queried, hits = wait_counted(cache, before, queried_tokens(cache, len(prompt)))
         verdict.equal("prefix_hits_counter_delta_after_reset", hits, 0, "tokens")
     judge_same_answer(verdict, "answer_from_cache_vs_after_reset", warm, after, has)
     verdict.conclude()
@@ -153,8 +153,9 @@ def test_partial_block_prefix_hits_match_oracle(
     )
     if before is not None:
         # The prompt ends in a part block: what an engine counts as queried there is its own
-        # contract (queried_tokens), and an engine's whole-block prompts elsewhere never show it.
-        queried, hits = wait_counted(engine, before, engine.queried_tokens(len(second)))
-        verdict.equal("prefix_queries_counter_delta", queried, engine.queried_tokens(len(second)), "tokens")
+        # contract (queried_tokens: EngineTraits.queries_whole_blocks), and an engine's
+        # whole-block prompts elsewhere never show it.
+        queried, hits = wait_counted(engine, before, queried_tokens(engine, len(second)))
+        verdict.equal("prefix_queries_counter_delta", queried, queried_tokens(engine, len(second)), "tokens")
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
     verdict.conclude()

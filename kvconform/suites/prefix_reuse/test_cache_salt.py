@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, ServedPrompt
+from kvconform.contract import EngineAdapter, EngineConfig, SaltedPrompts, ServedPrompt
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -31,8 +31,8 @@ def _served_and_stored(
     engine: EngineAdapter, prompt: list[int], salt: str, events: bool
 ) -> tuple[ServedPrompt, set[str]]:
     if not events:
-        return engine.serve_salted(prompt, salt), set()
-    return stored_while(engine, lambda: engine.serve_salted(prompt, salt))
+        return engine.facet(SaltedPrompts).serve_salted(prompt, salt), set()
+    return stored_while(engine, lambda: engine.facet(SaltedPrompts).serve_salted(prompt, salt))
 
 
 def test_cache_salt_isolates_prefix_and_event_hashes(
@@ -46,7 +46,7 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
     salt_a, salt_b = f"tenant-a-{prompts.fresh(1)[0]}", f"tenant-b-{prompts.fresh(1)[0]}"
     _, stored_a = _served_and_stored(engine, prompt, salt_a, events)
     served_b, stored_b = _served_and_stored(engine, prompt, salt_b, events)
-    again_a = engine.serve_salted(prompt, salt_a)
+    again_a = engine.facet(SaltedPrompts).serve_salted(prompt, salt_a)
     if events:
         verdict.require("blocks_announced_salt_a", len(stored_a), ">=", whole_blocks, "blocks")
         verdict.require("blocks_announced_salt_b", len(stored_b), ">=", whole_blocks, "blocks")

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
-from kvconform.suites.prefix_reuse.counters import wait_counted
+from kvconform.suites.prefix_reuse.counters import queried_tokens, wait_counted
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.FORCED_EVICTION)
 
@@ -23,7 +23,7 @@ def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.
     capacity: the router spreads fresh prompts at random, so we send 2 x workers x that
     (with 16+ prompts per worker, a worker getting under half its share is vanishingly rare).
     """
-    capacity = engine.cache_capacity_tokens()  # per worker
+    capacity = engine.facet(KvPool).cache_capacity_tokens()  # per worker
     length = min(1024, max(capacity // 8, engine.block_size() * 4))
     total = factor * capacity * (1 if engine.traits.workers == 1 else 2 * engine.traits.workers)
     # An engine that evicts from a periodic loop drops stores into a full cache until the loop
@@ -53,7 +53,8 @@ def test_evicted_prefix_not_reported_as_hit(
         "filler_tokens",
         filler,
         "tokens",
-        note=f"capacity {engine.cache_capacity_tokens()} per worker, {engine.traits.workers} worker(s)",
+        note=f"capacity {engine.facet(KvPool).cache_capacity_tokens()} per worker, "
+        f"{engine.traits.workers} worker(s)",
     )
     before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
     again = engine.serve_prompt(target)
@@ -66,7 +67,7 @@ def test_evicted_prefix_not_reported_as_hit(
     )
     verdict.record("output_identical_to_cold_run", int(again.output == cold.output))
     if before is not None:
-        queried, hits = wait_counted(engine, before, engine.queried_tokens(len(target)))
-        verdict.equal("queried_tokens_counter_delta", queried, engine.queried_tokens(len(target)), "tokens")
+        queried, hits = wait_counted(engine, before, queried_tokens(engine, len(target)))
+        verdict.equal("queried_tokens_counter_delta", queried, queried_tokens(engine, len(target)), "tokens")
         verdict.equal("hit_tokens_counter_delta", hits, 0, "tokens", note="nothing of the prefix is cached")
     verdict.conclude()

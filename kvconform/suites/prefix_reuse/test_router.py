@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, poll_until
+from kvconform.contract import EngineAdapter, EngineConfig, KvRouter, poll_until
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -62,7 +62,7 @@ def test_router_prediction_matches_worker(
             shared = longest_shared(served_before, tokens)
             held_blocks = shared // block  # the router's oracle: blocks the worker holds
             expected = prefix_hit_tokens(shared, len(tokens), block, engine.traits.recomputes_last_token)
-            predicted_tokens, served = engine.serve_routed(tokens)
+            predicted_tokens, served = engine.facet(KvRouter).serve_routed(tokens)
             predicted = predicted_tokens // block
             served_before.append(tokens)
             rows.append((phase, len(tokens), predicted, held_blocks, served.cached_tokens, expected))
@@ -94,7 +94,7 @@ def test_router_prediction_matches_worker(
     )
     verdict.equal("served_cached_off_oracle", len(served_off), 0, note="; ".join(served_off[:6]))
     after = engine.metrics()
-    applied = engine.router_event_status(before, after)
+    applied = engine.facet(KvRouter).router_event_status(before, after)
     if applied is not None:
         failed = {status: n for status, n in applied.items() if status != "ok" and n}
         # Every request above stored fresh blocks on its worker: the router must have applied

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import DisaggregatedServing, EngineAdapter, EngineConfig
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -27,8 +27,8 @@ def test_disaggregated_serving_reports_prefix_reuse(
     engine.ensure(EngineConfig(disaggregated=True))
     block = engine.block_size()
     prompt = prompts.fresh(4 * block + 5)
-    first = engine.serve_disaggregated(prompt, answer_tokens(has))
-    second = engine.serve_disaggregated(prompt)
+    first = engine.facet(DisaggregatedServing).serve_disaggregated(prompt, answer_tokens(has))
+    second = engine.facet(DisaggregatedServing).serve_disaggregated(prompt)
     expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.traits.recomputes_last_token)
     verdict.equal("prompt_tokens_served", second.prompt_tokens, len(prompt), "tokens")
     verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, KvTransfer, ReleaseGuard, StreamAborts
 from kvconform.errors import EngineError
 from kvconform.events import LedgerVerdict
 from kvconform.prompts import PromptFactory
@@ -76,7 +76,9 @@ class AfterFill:
 
 def resident_after_fill(engine: EngineAdapter, mark: int) -> AfterFill:
     engine.drain_events()
-    return AfterFill(engine.ledger.judge(since=mark).resident_count(), engine.resident_blocks_reported())
+    return AfterFill(
+        engine.ledger.judge(since=mark).resident_count(), engine.facet(KvPool).resident_blocks_reported()
+    )
 
 
 def compare_resident(
@@ -98,7 +100,7 @@ def compare_resident(
             note="right after filling the cache past capacity: every eviction must have been announced",
         )
     elif after_fill is not None:
-        pool = engine.cache_capacity_tokens() // engine.block_size() * engine.traits.workers
+        pool = engine.facet(KvPool).cache_capacity_tokens() // engine.block_size() * engine.traits.workers
         verdict.expect(
             "resident_blocks_ledger_vs_pool",
             after_fill.ledger,
@@ -108,7 +110,7 @@ def compare_resident(
             note=f"after filling the cache past its {pool} blocks (the capacity the suite asked for): "
             "every block beyond them must have been announced removed",
         )
-    reported = engine.resident_blocks_reported()
+    reported = engine.facet(KvPool).resident_blocks_reported()
     if reported is not None:
         verdict.equal(
             "resident_blocks_ledger_vs_engine",
@@ -171,7 +173,9 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     settle_s = engine.traits.abort_delay_s + ABORT_GRACE_S
     probe_s = settle_s + PROBE_MARGIN_S
     try:
-        outlives = engine.stream_outlives(prompts.fresh(5 * block + 3), ABORT_MAX_TOKENS, probe_s)
+        outlives = engine.facet(StreamAborts).stream_outlives(
+            prompts.fresh(5 * block + 3), ABORT_MAX_TOKENS, probe_s
+        )
     except EngineError as exc:
         outlives, refused = False, str(exc).splitlines()[0][:300]
     if not refused:
@@ -186,7 +190,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     for _ in range(0 if refused else 3):
         try:
             cut += int(
-                engine.stream_and_disconnect(
+                engine.facet(StreamAborts).stream_and_disconnect(
                     prompts.fresh(5 * block + 3), after_chunks=2, max_tokens=ABORT_MAX_TOKENS
                 )
                 == 2
@@ -203,10 +207,10 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
             "streams_cut_mid_way", cut, "==", 3, note="each dropped after 2 token chunks, before its end"
         )
         deadline = time.monotonic() + settle_s
-        in_flight = engine.requests_in_flight()
+        in_flight = engine.facet(StreamAborts).requests_in_flight()
         while in_flight and time.monotonic() < deadline:
             time.sleep(0.1)
-            in_flight = engine.requests_in_flight()
+            in_flight = engine.facet(StreamAborts).requests_in_flight()
         if in_flight is None:
             verdict.record("requests_in_flight_after_disconnects", "no live count", note="not judged")
         else:
@@ -273,7 +277,7 @@ def test_release_guard_holds(engine: EngineAdapter, prompts: PromptFactory, verd
     engine.ensure(EngineConfig())
     block = engine.block_size()
     tokens = prompts.fresh(3 * block + 2)
-    result = engine.release_twice(tokens)
+    result = engine.facet(ReleaseGuard).release_twice(tokens)
     verdict.record("second_release_outcome", result.second_outcome)
     verdict.record("detail", result.detail)
     verdict.equal(
