@@ -19,6 +19,7 @@ import pytest
 
 from kvconform import envs, timing
 from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
+from kvconform.contract.facets import AttachedServer
 from kvconform.contract.types import (
     AdapterContext,
     EngineConfig,
@@ -30,7 +31,6 @@ from kvconform.contract.types import (
 from kvconform.envs import BuiltEnv
 from kvconform.errors import UsageError
 from kvconform.events import EventLedger
-from kvconform.memory import MemoryMeasure
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 from kvconform.results import Measure
@@ -95,33 +95,17 @@ class EngineAdapter(ABC):
         self._lost: str | None = None  # attach mode: the engine went away; the rest is skipped
         self.relaunch_notes: list[str] = []  # what happened to the engine during the check
 
-    def launch_profile(self, *engines: str) -> LaunchProfile:
-        """The context's launch profile (the default one without a file), refused unless it is
-        for this engine (or one of `engines`); its model shape and block size become the
-        adapter's, so the oracles compute from the deployment."""
-        profile = self.ctx.profile or LaunchProfile()
-        if profile.engine not in (None, self.name, *engines):
-            raise UsageError(f"launch profile {profile.name} is for {profile.engine}, not {self.name}")
-        if profile.model_shape is not None:
-            self.model = profile.model_shape
-        if profile.block_size is not None:
-            self.default_block_size = profile.block_size
-        return profile
-
     # ---- identity -----------------------------------------------------------------------
     @property
     def version(self) -> str:
         if self.attached:
-            return self.attached_version()
+            return attached_server(self).attached_version()
         if self.env_spec is None:
             return "unknown"
         try:
             return self.env().version
         except UsageError:
             return "not built"
-
-    def attached_version(self) -> str:
-        return "unknown (attached)"
 
     def env(self) -> BuiltEnv:
         if self._env is None:
@@ -131,7 +115,7 @@ class EngineAdapter(ABC):
     def preflight(self) -> None:
         """Fail fast, with one line, on what would make every check of this engine fail."""
         if self.attached:
-            self.check_reachable()
+            attached_server(self).check_reachable()
         elif self.env_spec is not None:
             self.env()
 
@@ -156,7 +140,8 @@ class EngineAdapter(ABC):
 
     def block_size(self) -> int:
         if self.attached:
-            return self.attached_block_size()
+            reported = attached_server(self).attached_block_size()
+            return self.default_block_size if reported is None else reported
         if self.config is not None and self.config.block_size is not None:
             return self.config.block_size
         return self.default_block_size
@@ -165,10 +150,6 @@ class EngineAdapter(ABC):
         """The block size the running engine says it uses (None: it cannot say). Judged against
         what the suite asked for, never used as an oracle's block."""
         return None
-
-    def attached_block_size(self) -> int:
-        """Attach mode: the block size the running server reports (default: the adapter's)."""
-        return self.default_block_size
 
     # ---- lifecycle ----------------------------------------------------------------------
     def ensure(self, config: EngineConfig | None = None) -> None:
@@ -203,7 +184,7 @@ class EngineAdapter(ABC):
     def _ensure_attached(self, config: EngineConfig) -> None:
         if self._lost is None and (self.config is None or self._suspect is not None):
             try:
-                self.check_reachable()
+                attached_server(self).check_reachable()
             except UsageError as exc:
                 if self.config is None:
                     raise
@@ -234,11 +215,6 @@ class EngineAdapter(ABC):
     def running(self) -> bool:
         return self.config is not None
 
-    def check_reachable(self) -> None:
-        """Attach mode: one quick request to the engine at ctx.url; a UsageError names both.
-        An engine without a server API (kvconform.kit.http_api adds one) cannot be attached."""
-        raise UsageError(f"engine {self.name} has no server API to attach to at {self.ctx.url}")
-
     def close(self) -> None:
         if not self.attached:
             timed_stop(self)
@@ -252,9 +228,6 @@ class EngineAdapter(ABC):
         of at least 4000), sent as given (no BOS added). With ANSWERS_FROM_KV the answer is
         greedy (temperature 0), `max_tokens` long (EOS ignored), its token ids in
         ServedPrompt.output."""
-        raise NotImplementedError
-
-    def reset_prefix_cache(self) -> None:
         raise NotImplementedError
 
     def metrics(self) -> MetricSnapshot:
@@ -281,12 +254,6 @@ class EngineAdapter(ABC):
         it if not)."""
         return self.running()
 
-    def drain_events(self) -> int:
-        """Make sure every event emitted so far is in the ledger (KV_EVENTS); fill transport
-        gaps from the engine's replay where it has one. Returns how many batches replay
-        filled. kvconform.kit.event_feed is the ZMQ publisher's side of it."""
-        return 0
-
     # ---- features: typed facets (kvconform.contract.facets) ------------------------------
     def facet(self, kind: type[FacetT]) -> FacetT:
         """This engine's `kind` facet (persistent tier, offload tier, instance churn, ...),
@@ -301,12 +268,6 @@ class EngineAdapter(ABC):
             return self
         raise NotImplementedError(f"engine {self.name} provides no {kind.__name__} facet")
 
-    # ---- memory churn (INSTANCE_CHURN) ---------------------------------------------------
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
-        """Memory that must come back after a release (and stay flat over a long session), by
-        measure."""
-        raise NotImplementedError
-
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:
         """Every live process of the engine (its whole tree)."""
@@ -314,13 +275,6 @@ class EngineAdapter(ABC):
 
     def log_tail(self, lines: int = 40) -> str:
         return ""
-
-    def self_check_alarms(self, *, settle: bool = True) -> list[str] | None:
-        """The alarms the engine's own built-in invariant checks raised since the last call (its
-        lines), each check judging that none fired during it; None where the engine has no
-        such check wired (nothing is judged). settle=False reads without waiting for the
-        engine's next audit (a check's start only drains what came before it)."""
-        return None
 
     def describe_logs(self) -> dict[str, str]:
         """Log tails by process name, attached to the report on failure."""
@@ -342,3 +296,30 @@ def take_relaunch_notes(adapter: EngineAdapter) -> list[dict[str, Any]]:
     the adapter's list starts over."""
     notes, adapter.relaunch_notes = adapter.relaunch_notes, []
     return [asdict(Measure("engine_relaunched", note)) for note in notes]
+
+
+def apply_launch_profile(adapter: EngineAdapter, *engines: str) -> LaunchProfile:
+    """The context's launch profile (the default one without a file), refused unless it is for
+    `adapter`'s engine (or one of `engines`); its model shape and block size become the
+    adapter's, so the oracles compute from the deployment."""
+    profile = adapter.ctx.profile or LaunchProfile()
+    if profile.engine not in (None, adapter.name, *engines):
+        raise UsageError(f"launch profile {profile.name} is for {profile.engine}, not {adapter.name}")
+    if profile.model_shape is not None:
+        adapter.model = profile.model_shape
+    if profile.block_size is not None:
+        adapter.default_block_size = profile.block_size
+    return profile
+
+
+def has_facet(adapter: EngineAdapter, kind: type) -> bool:
+    """Whether `adapter` provides facet `kind` (adapter.facet(kind) would not raise)."""
+    return kind in facet_makers(type(adapter)) or isinstance(adapter, kind)
+
+
+def attached_server(adapter: EngineAdapter) -> AttachedServer:
+    """The attached server of `adapter`; a UsageError where the engine has no server API to
+    attach to (kvconform.kit.http_api adds one)."""
+    if not has_facet(adapter, AttachedServer):
+        raise UsageError(f"engine {adapter.name} has no server API to attach to at {adapter.ctx.url}")
+    return adapter.facet(AttachedServer)

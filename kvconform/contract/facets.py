@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvconform.contract.types import BlockPoolStats, ReleaseTwice, SecondRelease, ServedPrompt, TransferResult
+from kvconform.memory import MemoryMeasure
 from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 
@@ -499,3 +500,57 @@ class ReleaseGuard(ABC):
     def release_twice(self, tokens: list[int]) -> ReleaseTwice:
         """Release one request's KV (a fresh prompt, nothing cached) twice through the
         engine's own abort/failure release path, and say what each release did."""
+
+
+class KvEvents(ABC):
+    """The KV events the engine publishes (KV_EVENTS), read into the adapter's `ledger`.
+    kvconform.kit.event_feed.ZmqEventFeed is the ZMQ publisher's side of it."""
+
+    @abstractmethod
+    def drain_events(self) -> int:
+        """Make sure every event emitted so far is in the ledger; fill transport gaps from the
+        engine's replay where it has one. Returns how many batches replay filled."""
+
+
+class ReclaimProbe(ABC):
+    """Memory that must come back after a release and stay flat over a long session
+    (INSTANCE_CHURN, LONG_SESSION), by measure."""
+
+    @abstractmethod
+    def reclaim_probe(self) -> dict[str, MemoryMeasure]: ...
+
+
+class SelfChecks(ABC):
+    """The engine's own built-in invariant checks (e.g. SGLang's idle pool audit): each check
+    on the engine judges that none raised an alarm while it ran."""
+
+    @abstractmethod
+    def self_check_alarms(self, *, settle: bool = True) -> list[str] | None:
+        """The alarms raised since the last call (the engine's lines); None where the checks
+        cannot be read in this mode (nothing is judged). settle=False reads without waiting
+        for the engine's next audit (a check's start only drains what came before it)."""
+
+
+class AttachedServer(ABC):
+    """A running server the suite attaches to instead of launching it (--engine-url): how it is
+    reached and what it says of itself. kvconform.kit.http_api.HttpApi implements
+    check_reachable; an engine with no server API cannot be attached."""
+
+    @abstractmethod
+    def check_reachable(self) -> None:
+        """One quick request to the server; a UsageError names the engine and the URL."""
+
+    def attached_version(self) -> str:
+        return "unknown (attached)"
+
+    def attached_block_size(self) -> int | None:
+        """The block size the running server reports (None: it does not say; the adapter's
+        default is taken)."""
+        return None
+
+
+class CacheReset(ABC):
+    """The engine's own reset of its prefix cache (RESET_PREFIX_CACHE)."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None: ...

@@ -12,14 +12,17 @@ from kvconform.contract.adapter import EngineAdapter, facet_makers
 from kvconform.contract.capabilities import Capability as C
 from kvconform.contract.facets import (
     ActiveBlockTracker,
+    CacheReset,
     DisaggregatedServing,
     InstanceChurn,
+    KvEvents,
     KvPool,
     KvRouter,
     KvTransfer,
     OffloadTier,
     PersistentTier,
     RadixCacheModel,
+    ReclaimProbe,
     ReleaseGuard,
     RemoteStore,
     RouterIndex,
@@ -36,14 +39,14 @@ STUB_MODULES = ("kvconform.contract.adapter", "kvconform.contract.facets")
 NEEDS: dict[C, tuple[Need, ...]] = {
     C.PREFIX_CACHE: ("serve_prompt",),
     C.PREFIX_HIT_COUNTERS: ("metrics",),
-    C.RESET_PREFIX_CACHE: ("reset_prefix_cache",),
+    C.RESET_PREFIX_CACHE: (CacheReset,),
     C.PERSISTENT_PREFIX: (PersistentTier,),
     C.CORRUPT_PERSISTED: (PersistentTier,),
     C.FORCED_EVICTION: (KvPool,),
     C.CACHE_SALT: (SaltedPrompts,),
     C.HOST_MEMORY: ("engine_pids",),
-    C.KV_EVENTS: (KvPool,),  # the ledger is judged against the pool
-    C.INSTANCE_CHURN: (InstanceChurn, "reclaim_probe"),
+    C.KV_EVENTS: (KvEvents, KvPool),  # the ledger is judged against the pool
+    C.INSTANCE_CHURN: (InstanceChurn, ReclaimProbe),
     C.INSTANCE_REGISTRY: (InstanceChurn,),
     C.LONG_SESSION: (KvPool, "kv_pool_bytes"),
     C.OFFLOAD_GAUGES: (OffloadTier, "metrics"),

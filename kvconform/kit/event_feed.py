@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from kvconform.contract.facets import KvEvents
 from kvconform.events import EventLedger
 from kvconform.kit.zmq_events import ZmqEventSubscriber
 from kvconform.processes import free_port
@@ -15,9 +16,10 @@ from kvconform.processes import free_port
 if TYPE_CHECKING:
     from kvconform.contract import EngineAdapter
 
-    _Base = EngineAdapter
+    class _Base(EngineAdapter, KvEvents):  # the adapter this is composed into
+        pass
 else:
-    _Base = object
+    _Base = KvEvents
 
 
 class ZmqEventFeed(_Base):

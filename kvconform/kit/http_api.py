@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import requests
 
 from kvconform import timing
-from kvconform.contract.facets import StreamAborts
+from kvconform.contract.facets import AttachedServer, StreamAborts
 from kvconform.contract.types import ServedPrompt
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.server import wait_http_ok
@@ -22,10 +22,12 @@ from kvconform.metrics import MetricSnapshot, parse_prometheus
 if TYPE_CHECKING:
     from kvconform.contract import EngineAdapter
 
-    class _Base(EngineAdapter, StreamAborts):  # the adapter this is composed into
+    class _Base(EngineAdapter, StreamAborts, AttachedServer):  # the adapter this is composed into
         pass
 else:
-    _Base = StreamAborts
+
+    class _Base(StreamAborts, AttachedServer):
+        pass
 
 
 class HttpApi(_Base):

@@ -1,7 +1,7 @@
 """Instance churn by whole-server restarts, for an engine whose instance is its server: start
 (if not running), load, stop; the process tree must be gone and its /dev/shm files removed,
 every cycle. An adapter keeps one (it counts the leftovers across cycles) and returns it from
-instance_churn(); its reclaim_probe() reports leftover_measures()."""
+instance_churn(); its ReclaimProbe reports leftover_measures()."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvconform import report
-from kvconform.contract import Capability, EngineAdapter
+from kvconform.contract import Capability, EngineAdapter, SelfChecks, has_facet
 from kvconform.plugin.collection import check_id, engine_of
 from kvconform.plugin.session import KvSession, kv_session, selected_engines
 from kvconform.prompts import PromptFactory
@@ -18,16 +18,15 @@ verdict_key = pytest.StashKey[Verdict]()
 outcome_key = pytest.StashKey[str]()
 
 
-def judge_self_checks(engine: EngineAdapter, verdict: Verdict) -> None:
+def judge_self_checks(checks: SelfChecks, verdict: Verdict, engine: str) -> None:
     """The engine's own invariant checks (e.g. SGLang's idle pool audit) raised no alarm while
     this check ran: a measure of every check on an engine that has such checks."""
-    alarms = engine.self_check_alarms() or []
+    alarms = checks.self_check_alarms() or []
     verdict.equal(
         SELF_CHECK_MEASURE,
         len(alarms),
         0,
-        note="; ".join(a[:300] for a in alarms[:3])
-        or f"engine {engine.name}'s own invariant checks stayed quiet",
+        note="; ".join(a[:300] for a in alarms[:3]) or f"engine {engine}'s own invariant checks stayed quiet",
     )
 
 
@@ -61,8 +60,10 @@ class Fixtures:
         v = Verdict(check_id(request.node), name or "-")
         request.node.stash[verdict_key] = v
         engine = kv_session(request.config).adapter(name) if name else None
-        if engine is not None and engine.self_check_alarms(settle=False) is not None:  # drains earlier ones
-            v.before_conclude.append(lambda verdict: judge_self_checks(engine, verdict))
+        if engine is not None and has_facet(engine, SelfChecks):
+            checks = engine.facet(SelfChecks)
+            if checks.self_check_alarms(settle=False) is not None:  # drains earlier ones
+                v.before_conclude.append(lambda verdict: judge_self_checks(checks, verdict, engine.name))
         yield v
         # no call report: the session was interrupted mid-check (Ctrl-C, SIGTERM), not a pass
         if not v.concluded and request.node.stash.get(outcome_key, None) == "passed":

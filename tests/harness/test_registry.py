@@ -14,6 +14,7 @@ from kvconform.contract import (
     InstanceChurn,
     KvPool,
     PersistentTier,
+    ReclaimProbe,
     ServedPrompt,
     provides,
 )
@@ -24,7 +25,7 @@ from kvconform.memory import MemoryMeasure
 
 
 class HalfDoneAdapter(EngineAdapter):
-    """Declares prefix reuse and churn; returns its churn facet but has no reclaim_probe."""
+    """Declares prefix reuse and churn; returns its churn facet but has no reclaim probe."""
 
     name = "half-done"
     capabilities = frozenset({C.PREFIX_CACHE, C.INSTANCE_CHURN})
@@ -37,7 +38,7 @@ class HalfDoneAdapter(EngineAdapter):
         raise AssertionError("never called")
 
 
-class NoFacetAdapter(EngineAdapter):
+class NoFacetAdapter(EngineAdapter, ReclaimProbe):
     name = "no-facet"
     capabilities = frozenset({C.INSTANCE_CHURN, C.INSTANCE_REGISTRY})
 
@@ -59,7 +60,7 @@ def test_a_declared_capability_without_its_methods_is_refused_at_registration() 
         registry.unregister("half-done")
     text = str(err.value)
     assert "engine 'half-done'" in text and "HalfDoneAdapter" in text
-    assert "instance_churn needs reclaim_probe" in text
+    assert "instance_churn needs the ReclaimProbe facet" in text
     assert "prefix_cache" not in text, "serve_prompt is provided"
 
 

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
@@ -42,7 +43,9 @@ from kvconform.contract import (
     KvPool,
     LastToken,
     ModelShape,
+    ReclaimProbe,
     ServedPrompt,
+    apply_launch_profile,
     provides,
 )
 from kvconform.errors import EngineError, UsageError
@@ -62,7 +65,7 @@ PROCESSED_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
 
 
-class LlamaCppAdapter(HttpApi, EngineAdapter, KvPool):
+class LlamaCppAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
     name = "llamacpp"
     env_spec = "llamacpp"
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).
@@ -140,7 +143,7 @@ class LlamaCppAdapter(HttpApi, EngineAdapter, KvPool):
         return path
 
     def start(self, config: EngineConfig) -> None:
-        if not self.launch_profile().is_default:
+        if not apply_launch_profile(self).is_default:
             raise UsageError(f"engine {self.name}: launch profiles are not supported (the tiny GGUF only)")
         if config.block_size not in (None, 1):
             raise UsageError(f"engine {self.name} has no blocks: block size 1 only, not {config.block_size}")

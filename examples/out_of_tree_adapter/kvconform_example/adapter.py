@@ -8,12 +8,13 @@ is. What an adapter for a new engine writes, all of it here:
   `default_block_size`, `env_spec` (the engine's own environment; None runs it with the
   suite's interpreter, as this stand-in can);
 - `capabilities`, the promises it can be judged on; registration refuses a capability whose
-  methods are missing (kvconform/contract/requirements.py lists them);
+  methods or facets are missing (kvconform/contract/requirements.py lists them);
 - `start` (launch, wait until healthy), `stop` (teardown report: leftover processes and shm),
   `running`, `engine_pids`;
 - `serve_prompt`: prompt tokens, cached tokens, output token ids, from the engine's own answer;
 - `metrics` and `metric_names`: the suite's logical names mapped to the engine's series;
-- `reset_prefix_cache`, where the engine has one.
+- `reset_prefix_cache`, where the engine has one: the CacheReset facet, which the adapter
+  provides by inheriting it (kvconform/contract/facets.py has every facet).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import ClassVar
 
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
@@ -37,7 +39,7 @@ from kvconform.processes import TeardownReport, free_port
 C = Capability
 
 
-class ExampleAdapter(HttpApi, EngineAdapter):
+class ExampleAdapter(HttpApi, EngineAdapter, CacheReset):
     name = "example-ref"
     env_spec = None
     default_block_size = 16

@@ -28,9 +28,11 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvEvents,
     KvPool,
     KvRouter,
     ModelShape,
+    ReclaimProbe,
     RouterIndex,
     SaltedPrompts,
     SecondRelease,
@@ -68,7 +70,9 @@ RELEASE_SETTLE_S = 10.0  # a stopped worker leaves the frontend's routable set w
 SHUTDOWN_ERRORS = (" ERROR ", "panicked", "Traceback")  # a second shutdown that was not a no-op
 
 
-class DynamoAdapter(HttpApi, EngineAdapter, KvPool, KvRouter, SaltedPrompts, DisaggregatedServing):
+class DynamoAdapter(
+    HttpApi, EngineAdapter, KvPool, KvRouter, SaltedPrompts, DisaggregatedServing, KvEvents, ReclaimProbe
+):
     name = "dynamo"
     env_spec = "dynamo"
     default_block_size = 16

@@ -23,19 +23,23 @@ from kvconform.adapters.lmcache.redis_store import REDIS_L2_CAPACITY_BYTES, Redi
 from kvconform.adapters.lmcache.trace_replay import LmcacheTraceReplay
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
     InstanceChurn,
+    KvEvents,
     KvPool,
     ModelShape,
     PersistentTier,
+    ReclaimProbe,
     RemoteStore,
     SaltedPrompts,
     SecondRelease,
     ServedPrompt,
     TraceReplay,
+    apply_launch_profile,
     provides,
 )
 from kvconform.errors import EngineError, UsageError
@@ -76,7 +80,7 @@ def check(argv):
 """
 
 
-class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts):
+class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts, KvEvents, ReclaimProbe, CacheReset):
     name = "lmcache"
     env_spec = "lmcache"
     default_block_size = 256  # LMCache's chunk size
@@ -146,7 +150,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
-        self.profile = self.launch_profile("lmcache")  # lmcache-redis takes lmcache's profiles
+        self.profile = apply_launch_profile(self, "lmcache")  # lmcache-redis takes lmcache's profiles
         self.server: LaunchedServer | None = None
         self.client: DriverProcess | None = None
         self.churner: DriverProcess | None = None

@@ -49,6 +49,7 @@ import requests
 
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
@@ -57,6 +58,7 @@ from kvconform.contract import (
     KvPool,
     ModelShape,
     PersistentTier,
+    ReclaimProbe,
     SecondRelease,
     ServedPrompt,
     provides,
@@ -112,7 +114,7 @@ def token_ids(text: str) -> list[int]:
     return [int(m.group(1)) for m in WORD.finditer(text or "")]
 
 
-class OmlxAdapter(HttpApi, EngineAdapter, KvPool):
+class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
     default_block_size = BLOCK_SIZE

@@ -19,6 +19,7 @@ import requests
 from kvconform.contract import (
     AdapterContext,
     BlockPoolStats,
+    CacheReset,
     Capability,
     DisaggregatedServing,
     EngineAdapter,
@@ -31,6 +32,7 @@ from kvconform.contract import (
     ModelShape,
     OffloadTier,
     PersistentTier,
+    ReclaimProbe,
     ReleaseGuard,
     ReleaseTwice,
     SecondRelease,
@@ -59,7 +61,15 @@ DISK_HEADER_BYTES = DISK_HEADER.size
 
 
 class ReferenceAdapter(
-    ZmqEventFeed, HttpApi, EngineAdapter, KvPool, KvRouter, DisaggregatedServing, ReleaseGuard
+    ZmqEventFeed,
+    HttpApi,
+    EngineAdapter,
+    KvPool,
+    KvRouter,
+    DisaggregatedServing,
+    ReleaseGuard,
+    ReclaimProbe,
+    CacheReset,
 ):
     name = "reference"
     env_spec = None

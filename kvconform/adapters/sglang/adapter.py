@@ -18,10 +18,12 @@ from kvconform.adapters.sglang.radix_client import Call, SglangRadixCacheModel
 from kvconform.adapters.sglang.transfer import SglangTransfer
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
+    KvEvents,
     KvPool,
     KvTransfer,
     ModelShape,
@@ -76,7 +78,7 @@ _EVENT_KINDS: dict[str, Kind] = {
 }
 
 
-class SglangAdapter(EngineAdapter, KvPool, SaltedPrompts):
+class SglangAdapter(EngineAdapter, KvPool, SaltedPrompts, KvEvents, CacheReset):
     name = "sglang"
     env_spec = "sglang"
     default_block_size = 16  # SGLang's page size

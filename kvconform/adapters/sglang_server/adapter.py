@@ -66,6 +66,7 @@ from kvconform import envs
 from kvconform.adapters.sglang.common import MODEL, int_field
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
@@ -73,8 +74,11 @@ from kvconform.contract import (
     InstanceChurn,
     KvPool,
     ModelShape,
+    ReclaimProbe,
     SaltedPrompts,
+    SelfChecks,
     ServedPrompt,
+    apply_launch_profile,
     provides,
 )
 from kvconform.errors import EngineError, UsageError
@@ -152,7 +156,9 @@ SERVER_METRICS: dict[str, str] = {
 }
 
 
-class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPrompts):
+class SglangServerAdapter(
+    ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPrompts, ReclaimProbe, SelfChecks, CacheReset
+):
     name = "sglang-server"
     env_spec = "sglang-server"
     default_block_size = SERVER_PAGE_SIZE
@@ -186,7 +192,7 @@ class SglangServerAdapter(ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPr
         self._model_dir: Path | None = None
         self._tmpdir: Path | None = None
         self._launches = 0
-        self.profile = self.launch_profile()
+        self.profile = apply_launch_profile(self)
         self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
         self._alarm_offset = 0  # how far self_check_alarms() has read the server log (appended per launch)
         # A release whose CPU build runs at one page size only says so in its spec (`page_size`).

@@ -64,8 +64,10 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    KvEvents,
     KvPool,
     ServedPrompt,
+    apply_launch_profile,
 )
 from kvconform.errors import EngineError, KvconformError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
@@ -381,7 +383,7 @@ class DrainingConsumer:
         self._thread.join(timeout=10)
 
 
-class TrtllmAdapter(HttpApi, EngineAdapter, KvPool):
+class TrtllmAdapter(HttpApi, EngineAdapter, KvPool, KvEvents):
     name = "trtllm"
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the adapter reads the real one from kvCacheStats.
@@ -402,7 +404,7 @@ class TrtllmAdapter(HttpApi, EngineAdapter, KvPool):
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
-        self.profile = self.launch_profile()
+        self.profile = apply_launch_profile(self)
         self.server: LaunchedServer | None = None
         self.consumer: DrainingConsumer | None = None
         self._served_model: str | None = None

@@ -15,6 +15,7 @@ from kvconform import envs
 from kvconform.adapters.vllm.disagg import DisaggregatedPair
 from kvconform.contract import (
     AdapterContext,
+    CacheReset,
     Capability,
     EngineAdapter,
     EngineConfig,
@@ -24,10 +25,12 @@ from kvconform.contract import (
     ModelShape,
     OffloadTier,
     PersistentTier,
+    ReclaimProbe,
     ReleaseGuard,
     ReleaseTwice,
     SaltedPrompts,
     ServedPrompt,
+    apply_launch_profile,
     provides,
 )
 from kvconform.contract.types import LaunchProfile
@@ -104,7 +107,15 @@ SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD):
 
 
 class VllmAdapter(
-    DisaggregatedPair, ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPrompts, ReleaseGuard
+    DisaggregatedPair,
+    ZmqEventFeed,
+    HttpApi,
+    EngineAdapter,
+    KvPool,
+    SaltedPrompts,
+    ReleaseGuard,
+    ReclaimProbe,
+    CacheReset,
 ):
     name = "vllm"
     env_spec = "vllm"
@@ -188,7 +199,7 @@ class VllmAdapter(
         self.server: LaunchedServer | None = None
         self._attached_block: int | None = None
         self._model_dir: Path | None = None
-        self.profile = self.launch_profile()
+        self.profile = apply_launch_profile(self)
         self._gpu_before: int | None = None
         self._pool_blocks: int | None = None
         self._host_tiers: tuple[str, ...] = ()  # set at start: "host", and "fs" behind it

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, InstanceChurn
+from kvconform.contract import EngineAdapter, EngineConfig, InstanceChurn, ReclaimProbe
 from kvconform.memory import MemoryMeasure
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -79,18 +79,18 @@ def test_churn_returns_to_baseline(
     system = prompts.fresh(4 * block)
     for warmup in range(churn.warmup_cycles(path)):  # allocator pools and caches settle first
         churn.cycle(churn.warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
-    baseline_measures = engine.reclaim_probe()
-    baseline = settled(engine.reclaim_probe, None, window_s=1.0)
+    baseline_measures = engine.facet(ReclaimProbe).reclaim_probe()
+    baseline = settled(engine.facet(ReclaimProbe).reclaim_probe, None, window_s=1.0)
     values: dict[str, list[float]] = {name: [] for name in baseline}
     most = max(cycles, churn.cycles(path, MAX_CYCLE_FACTOR * cycles))
     step = max(2, cycles // 2)
     done = 0
-    with ContinuousSampler(engine.reclaim_probe) as sampler:
+    with ContinuousSampler(engine.facet(ReclaimProbe).reclaim_probe) as sampler:
         target = cycles
         while True:
             for cycle in range(done + 1, target + 1):
                 churn.cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
-                post = settled(engine.reclaim_probe, baseline_measures)
+                post = settled(engine.facet(ReclaimProbe).reclaim_probe, baseline_measures)
                 for name in values:
                     values[name].append(post.get(name, float("nan")))
             done = target

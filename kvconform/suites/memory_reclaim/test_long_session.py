@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, ReclaimProbe
 from kvconform.memory import sample_processes
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -44,7 +44,7 @@ TURN_MULTIPLE = 2  # whole-session growth of exact measures: at most two turns' 
 def exact_bytes(engine: EngineAdapter) -> dict[str, float] | None:
     """The engine's exact byte measures now; None if it has no reclaim probe."""
     try:
-        probe = engine.reclaim_probe()
+        probe = engine.facet(ReclaimProbe).reclaim_probe()
     except NotImplementedError:
         return None
     return {name: m.value for name, m in probe.items() if m.exact and m.unit == "bytes" and m.holds_kv}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier, ServedPrompt
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier, ServedPrompt
 from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -44,7 +44,7 @@ def drive(
     for tokens in batch:
         engine.serve_prompt(tokens)
     engine.facet(OffloadTier).wait_idle()
-    engine.reset_prefix_cache()
+    engine.facet(CacheReset).reset_prefix_cache()
     return batch, [engine.serve_prompt(tokens) for tokens in batch]
 
 

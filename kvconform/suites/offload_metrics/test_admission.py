@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -38,7 +38,7 @@ def test_store_threshold_counts_offers(
     engine.serve_prompt(once)
     served_hot = [engine.serve_prompt(hot) for _ in range(THRESHOLD)]
     engine.facet(OffloadTier).wait_idle()
-    engine.reset_prefix_cache()
+    engine.facet(CacheReset).reset_prefix_cache()
     once_again = engine.serve_prompt(once)
     hot_again = engine.serve_prompt(hot)
     verdict.require(

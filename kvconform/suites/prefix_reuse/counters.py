@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from kvconform.contract import EngineAdapter
+from kvconform.contract.adapter import attached_server
 from kvconform.metrics import MetricSnapshot
 
 
@@ -43,6 +44,6 @@ def resolved_block_size(engine: EngineAdapter) -> int | None:
     value = engine.resolved_block_size()
     if value is not None:
         return int(value)
-    if engine.attached and type(engine).attached_block_size is not EngineAdapter.attached_block_size:
-        return int(engine.attached_block_size())
+    if engine.attached and (reported := attached_server(engine).attached_block_size()) is not None:
+        return reported
     return None

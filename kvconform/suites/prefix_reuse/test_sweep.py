@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.report import attach_png, plot_sweep
@@ -29,7 +29,7 @@ def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict
         engine.ensure(EngineConfig(block_size=block))
         curve = []
         for fraction in SHARED_FRACTIONS:
-            engine.reset_prefix_cache()
+            engine.facet(CacheReset).reset_prefix_cache()
             shared = int(PROMPT_TOKENS * fraction)
             prefix = prompts.fresh(shared)
             engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))

@@ -14,8 +14,17 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvconform.contract import (
+    CacheReset,
+    EngineAdapter,
+    EngineConfig,
+    KvEvents,
+    KvPool,
+    KvTransfer,
+    ReleaseGuard,
+    StreamAborts,
+)
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, KvTransfer, ReleaseGuard, StreamAborts
 from kvconform.errors import EngineError
 from kvconform.events import LedgerVerdict
 from kvconform.prompts import PromptFactory
@@ -37,13 +46,13 @@ REMOVAL_KINDS = ("double_remove", "remove_unknown")
 
 def ledger_mark(engine: EngineAdapter) -> int:
     """Where this check's events start: what earlier checks emitted is in the ledger first."""
-    engine.drain_events()
+    engine.facet(KvEvents).drain_events()
     return engine.ledger.mark()
 
 
 def judge_ledger(engine: EngineAdapter, verdict: Verdict, mark: int) -> LedgerVerdict:
     """The ledger judged for the events from `mark` (taken when the check started) on."""
-    filled = engine.drain_events()
+    filled = engine.facet(KvEvents).drain_events()
     judged = engine.ledger.judge(since=mark)
     verdict.record("events", judged.events)
     verdict.record("blocks_stored", judged.stored)
@@ -75,7 +84,7 @@ class AfterFill:
 
 
 def resident_after_fill(engine: EngineAdapter, mark: int) -> AfterFill:
-    engine.drain_events()
+    engine.facet(KvEvents).drain_events()
     return AfterFill(
         engine.ledger.judge(since=mark).resident_count(), engine.facet(KvPool).resident_blocks_reported()
     )
@@ -150,7 +159,7 @@ def test_event_ledger_consistent(
         fill_cache(engine, prompts, factor=1.5)
         after_fill = resident_after_fill(engine, mark)
     if has(C.RESET_PREFIX_CACHE):
-        engine.reset_prefix_cache()
+        engine.facet(CacheReset).reset_prefix_cache()
         engine.serve_prompt(prompts.extend(system, 7 * block))
     judged = judge_ledger(engine, verdict, mark)
     verdict.require("events_seen", judged.events, ">=", 1, note="the workload must produce events")
