@@ -1,10 +1,13 @@
-"""The abstract adapter: what a suite may ask of an engine.
+"""The abstract adapter: the lifecycle core every engine has, and the one lookup for the rest.
 
 Suites never name an engine. They mark each check with the capabilities it needs
 (`@pytest.mark.requires(Capability.X)`); an engine lacking one is skipped with
-"engine E lacks capability X". Every method below that an engine cannot support raises
-NotImplementedError, and its capability stays out of the set (fsspec's abstract-test
-pattern): declaring a capability is a promise the method works.
+"engine E lacks capability X". The core below is what every check uses: start, stop, ensure,
+health, pids, the block size, metrics, logs, serve_prompt. Every feature beyond it is a typed
+facet (kvconform.contract.facets) that `facet()` returns: the adapter itself where it
+inherits the facet, or what its method marked @provides(Facet) makes. Declaring a capability
+is a promise that what it needs (kvconform.contract.requirements) is there: registration
+refuses an adapter that declares one without it (fsspec's abstract-test pattern).
 """
 
 from __future__ import annotations
