@@ -315,9 +315,15 @@ def apply_launch_profile(adapter: EngineAdapter, *engines: str) -> LaunchProfile
     return profile
 
 
+def class_provides(cls: type, kind: type) -> bool:
+    """Whether adapters of class `cls` provide facet `kind`: a method marked @provides(kind),
+    or `kind` inherited."""
+    return kind in facet_makers(cls) or issubclass(cls, kind)
+
+
 def has_facet(adapter: EngineAdapter, kind: type) -> bool:
     """Whether `adapter` provides facet `kind` (adapter.facet(kind) would not raise)."""
-    return kind in facet_makers(type(adapter)) or isinstance(adapter, kind)
+    return class_provides(type(adapter), kind)
 
 
 def attached_server(adapter: EngineAdapter) -> AttachedServer:

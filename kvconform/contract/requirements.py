@@ -8,7 +8,7 @@ Only methods whose base version is a stub are listed: the rest have a working de
 
 from __future__ import annotations
 
-from kvconform.contract.adapter import EngineAdapter, facet_makers
+from kvconform.contract.adapter import EngineAdapter, class_provides
 from kvconform.contract.capabilities import Capability as C
 from kvconform.contract.facets import (
     ActiveBlockTracker,
@@ -78,7 +78,7 @@ def provided(cls: type[EngineAdapter], need: Need) -> bool:
     if isinstance(need, str):
         method = getattr(cls, need, None)
         return method is not None and getattr(method, "__module__", None) not in STUB_MODULES
-    return need in facet_makers(cls) or issubclass(cls, need)
+    return class_provides(cls, need)
 
 
 def missing_methods(cls: type[EngineAdapter]) -> dict[C, list[str]]:
