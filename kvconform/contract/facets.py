@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from kvconform.contract.types import BlockPoolStats, ReleaseTwice, SecondRelease, ServedPrompt, TransferResult
 from kvconform.memory import MemoryMeasure
@@ -496,10 +496,17 @@ class DisaggregatedServing(ABC):
 class ReleaseGuard(ABC):
     """The engine's guard against releasing one request's KV twice (RELEASE_GUARD)."""
 
+    # What a running request holds in the engine's block pool: every block of its prompt
+    # (False: the prompt is fresh, nothing cached, and the partial last block counts), or only
+    # references on its cached prefix's whole blocks (True: the engine keeps a request's new KV
+    # outside the pool, so the prompt is served once before the request under test).
+    releases_cached_prefix: ClassVar[bool] = False
+
     @abstractmethod
     def release_twice(self, tokens: list[int]) -> ReleaseTwice:
-        """Release one request's KV (a fresh prompt, nothing cached) twice through the
-        engine's own abort/failure release path, and say what each release did."""
+        """Release one request's KV twice through the engine's own abort/failure release path,
+        and say what each release did. The request is `tokens`: fresh, or (where
+        releases_cached_prefix) served once before so its whole blocks are cached."""
 
 
 class KvEvents(ABC):

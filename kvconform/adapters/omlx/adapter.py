@@ -59,12 +59,15 @@ from kvconform.contract import (
     ModelShape,
     PersistentTier,
     ReclaimProbe,
+    ReleaseGuard,
+    ReleaseTwice,
     SecondRelease,
     ServedPrompt,
     provides,
 )
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
+from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
@@ -114,7 +117,7 @@ def token_ids(text: str) -> list[int]:
     return [int(m.group(1)) for m in WORD.finditer(text or "")]
 
 
-class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
+class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset, ReleaseGuard):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
     default_block_size = BLOCK_SIZE
@@ -138,8 +141,10 @@ class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
             C.INSTANCE_CHURN,
             C.INSTANCE_REGISTRY,
             C.ABORT_REQUESTS,  # judged by its live request count; oMLX has no KV events or usage gauge
+            C.RELEASE_GUARD,
         }
     )
+    releases_cached_prefix = True  # a running request's own KV lives in the batch generator
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
     # "unregister" path, an instance released from an engine that keeps running.
     metric_names: ClassVar[dict[str, str]] = {
@@ -154,6 +159,8 @@ class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
             ssd = "attached: the SSD tier's size is not the suite's to know"
             models = "attached: the models are a team's own; the suite never unloads them"
             gaps |= {C.FORCED_EVICTION: ssd, C.INSTANCE_CHURN: models, C.INSTANCE_REGISTRY: models}
+            gaps[C.RELEASE_GUARD] = "attached: the release is driven in an engine the suite builds"
+
         return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
@@ -673,6 +680,38 @@ class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
             second.status_code == 400 and "not loaded" in second.text.lower(),
             f"first: HTTP {first.status_code}; second: HTTP {second.status_code} {second.text[:200]}",
         )
+
+    # ---- release guard: one request aborted twice, in an engine built as `omlx serve` does --
+    def release_twice(self, tokens: list[int]) -> ReleaseTwice:
+        """EngineCore.abort_request twice for a request holding a cached prefix, with a witness
+        request on the same prefix (drivers/omlx_release_driver.py), in a driver process of its
+        own: the engine it builds is dropped with it."""
+        env = self._built_env()
+        if env is None:
+            raise UsageError("engine omlx: the release driver needs the omlx environment")
+        work = self.ctx.workdir / "release-guard"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        driver = DriverProcess(
+            self.name,
+            env.python,
+            DRIVERS / "omlx_release_driver.py",
+            self.ctx.workdir / "logs" / "omlx-release-driver.log",
+            env={"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"},
+            start_timeout_s=self.ctx.start_timeout_s,
+        )
+        try:
+            answer = driver.call(
+                "release_twice",
+                timeout_s=300,
+                model=str(self.model_dir() / MODEL_NAME),
+                work=str(work),
+                token_ids=tokens,
+                ssd_bytes=SSD_CACHE_BYTES,
+            )
+        finally:
+            driver.close()
+        return ReleaseTwice.from_json(answer)
 
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:
