@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvconform import envs
+from kvconform.adapters.lmcache.coordinator_index import LmcacheCoordinatorIndex
 from kvconform.adapters.lmcache.redis_server import RedisServer, redis_binary
 from kvconform.adapters.lmcache.redis_store import REDIS_L2_CAPACITY_BYTES, RedisStore
 from kvconform.adapters.lmcache.trace_replay import LmcacheTraceReplay
@@ -35,6 +36,7 @@ from kvconform.contract import (
     PersistentTier,
     ReclaimProbe,
     RemoteStore,
+    RouterIndex,
     SaltedPrompts,
     SecondRelease,
     ServedPrompt,
@@ -108,6 +110,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts, KvEvents, Re
             C.CACHE_SALT,  # IPCCacheServerKey.cache_salt, as the vLLM connector sends it
             C.KV_EVENTS,  # SUBSCRIBE_KV_EVENTS: the server's sequenced CPU-tier records
             C.TRACE_REPLAY,  # its cache simulator over lookup-hash logs (drivers/lmcache_simulator_driver.py)
+            C.RADIX_INDEX,  # its MP coordinator's key directory (`lmcache coordinator`)
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
@@ -156,6 +159,7 @@ class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts, KvEvents, Re
         self.churner: DriverProcess | None = None
         self.inproc: DriverProcess | None = None
         self.simulator: DriverProcess | None = None
+        self.coordinator: LmcacheCoordinatorIndex | None = None  # RADIX_INDEX
         self.rpc_url = ""
         self.churn_path = "unregister"
         self.closed_leftovers = {"processes": 0, "shm_bytes": 0}
@@ -340,6 +344,22 @@ class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts, KvEvents, Re
             if driver is not None:
                 driver.close()
         self.inproc = self.simulator = None
+        if self.coordinator is not None:
+            self.coordinator.close()
+            self.coordinator = None
+
+    # ---- the router's directory (RADIX_INDEX) ---------------------------------------------
+    @provides(RouterIndex)
+    def router_index(self) -> RouterIndex:
+        if self.coordinator is None:
+            self.coordinator = LmcacheCoordinatorIndex(
+                self.name,
+                lambda: self.env().bin("lmcache"),
+                self.ctx.workdir,
+                LMCACHE_ENV,
+                self.ctx.start_timeout_s,
+            )
+        return self.coordinator
 
     # ---- offline replay (TRACE_REPLAY) --------------------------------------------------
     @provides(TraceReplay)
