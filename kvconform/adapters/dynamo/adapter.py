@@ -32,6 +32,7 @@ from kvconform.contract import (
     KvPool,
     KvRouter,
     ModelShape,
+    OffloadTier,
     ReclaimProbe,
     RouterIndex,
     SaltedPrompts,
@@ -60,6 +61,9 @@ C = Capability
 MODEL_NAME = "tiny"
 WORKERS = 2
 GPU_BLOCKS = 256  # per mocker
+# The offload configuration's host tier (--num-host-blocks, per DP rank): four device pools, so
+# the offload scenario's prompts stay in it beside the fill that evicts them from the device.
+HOST_BLOCKS = 4 * GPU_BLOCKS
 DISAGG_BANDWIDTH_GBPS = 10.0
 # The mocker's simulated step times, unscaled: about 15.5 ms per decoded token (1.6.1, measured),
 # so a request nobody aborted is still decoding when a check reads it seconds later (at 100x,
@@ -97,6 +101,7 @@ class DynamoAdapter(
             C.TRACE_REPLAY,
             C.BLOCK_TRACKER,
             C.DISAGG_SERVING,
+            C.OFFLOAD_HOST_HITS,  # the mocker's native vLLM G2 host tier (--num-host-blocks), one mocker
         }
     )
     metric_names: ClassVar[dict[str, str]] = {
@@ -186,8 +191,8 @@ class DynamoAdapter(
         super().ensure(config)
 
     def start(self, config: EngineConfig) -> None:
-        if config.offload or config.persistent:
-            raise NotImplementedError("Dynamo mockers have no offload/persistent tier wired here")
+        if config.persistent:
+            raise NotImplementedError("Dynamo's mocker keeps no KV across restarts (simulated tiers)")
         block = config.block_size or self.default_block_size
         self._stacks += 1
         stack = self.ctx.workdir / f"stack-{self._stacks}"
@@ -249,6 +254,7 @@ class DynamoAdapter(
                         *planes,
                         *self.disagg_args(role),
                         *self.event_args(i, role),
+                        *(["--num-host-blocks", str(HOST_BLOCKS)] if config.offload else []),
                     ],
                     self.ctx.workdir,
                     f"http://127.0.0.1:{system_port}/health",
@@ -267,7 +273,7 @@ class DynamoAdapter(
             tails = "\n".join(f"--- {n}\n{t}" for n, t in self.describe_logs().items())
             self.stop()
             raise EngineStartError(
-                self.name, f"frontend never listed {WORKERS} workers for model {MODEL_NAME}", tails
+                self.name, f"frontend never listed {len(roles)} workers for model {MODEL_NAME}", tails
             )
         self.config = config
 
@@ -299,7 +305,11 @@ class DynamoAdapter(
 
     @staticmethod
     def worker_roles(config: EngineConfig) -> list[str | None]:
-        return ["prefill", "decode"] if config.disaggregated else [None] * WORKERS
+        """Offload runs one mocker: the KV router predicts from device blocks only (a host hit
+        reads as kv_hit_rate 0), so with two it may send a prompt back to the other worker."""
+        if config.disaggregated:
+            return ["prefill", "decode"]
+        return [None] if config.offload else [None] * WORKERS
 
     def disagg_args(self, role: str | None) -> list[str]:
         """Prefill/decode mockers hand KV off at the model's bytes per token over a set link."""
@@ -328,7 +338,7 @@ class DynamoAdapter(
         return len(generate_instances(health))
 
     def _all_workers_routable(self) -> bool:
-        return (self.routable_workers() or 0) >= WORKERS
+        return (self.routable_workers() or 0) >= len(self.mockers)
 
     def release_worker_twice(self) -> SecondRelease:
         """Stop one mocker as Kubernetes does (SIGTERM). Its own code releases its runtime
@@ -543,7 +553,12 @@ class DynamoAdapter(
         return GPU_BLOCKS * self.block_size()  # per worker; the router spreads the fill
 
     def kv_pool_bytes(self) -> int:
-        return WORKERS * GPU_BLOCKS * self.model.block_bytes(self.block_size())
+        workers = len(self.worker_roles(self.config)) if self.config else WORKERS
+        return workers * GPU_BLOCKS * self.model.block_bytes(self.block_size())
+
+    @provides(OffloadTier)
+    def host_tier(self) -> OffloadTier:
+        return MockerHostTier(self)
 
     def engine_pids(self) -> list[int]:
         return [pid for p in (self.frontend, *self.mockers) if p is not None for pid in p.pids()]
@@ -627,3 +642,30 @@ class DynamoChurn(RestartChurn):
         self.stack.ensure(self.stack.config or EngineConfig())
         self.stack.serve_prompt(tokens)
         return self.stack.release_worker_twice()
+
+
+class MockerHostTier(OffloadTier):
+    """The mocker's native vLLM G2 host tier (dynamo/mocker/config.py _build_native_host_offload
+    -> the rank's native_host_offload): simulated inside its scheduler's steps, with no counter
+    or event of its own (1.6.1: no host metric on the frontend or the mocker's system port, every
+    KV event says storage tier "device"). What comes back from it is read in the answers'
+    cached tokens."""
+
+    def __init__(self, engine: DynamoAdapter) -> None:
+        self.engine = engine
+
+    def wait_idle(self, timeout_s: float = 15.0, quiet_s: float = 1.0) -> None:
+        """Until no request is open anywhere in the stack for `quiet_s`: a store to the host
+        tier is part of the step that frees the block (copy time at the d2h bandwidth)."""
+        deadline = time.monotonic() + timeout_s
+        still_since = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.engine.requests_in_flight():
+                still_since = time.monotonic()
+            elif time.monotonic() - still_since >= quiet_s:
+                return
+            time.sleep(0.1)
+        raise EngineError(self.engine.name, f"requests still open {timeout_s:.0f} s after the offload load")
+
+    def block_bytes(self) -> int:
+        return self.engine.model.block_bytes(self.engine.block_size())

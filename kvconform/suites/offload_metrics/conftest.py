@@ -1,7 +1,8 @@
 """One offload scenario per engine, judged by several checks.
 
-The scenario: serve fresh prompts (their full blocks are stored to the host tier), reset the
-device prefix cache, serve them again (their blocks come back from the host tier), then
+The scenario: serve fresh prompts (their full blocks are stored to the host tier), drop them
+from the device (a prefix-cache reset; where the engine has none, fresh prompts of twice the
+device pool evict them), serve them again (their blocks come back from the host tier), then
 stay idle while the gauges drain — sampled at 20 Hz throughout.
 """
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier, ServedPrompt
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, KvPool, OffloadTier, ServedPrompt
+from kvconform.contract import Capability as C
 from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -44,8 +46,21 @@ def drive(
     for tokens in batch:
         engine.serve_prompt(tokens)
     engine.facet(OffloadTier).wait_idle()
-    engine.facet(CacheReset).reset_prefix_cache()
+    drop_from_device(engine, prompts)
     return batch, [engine.serve_prompt(tokens) for tokens in batch]
+
+
+def drop_from_device(engine: EngineAdapter, prompts: PromptFactory) -> None:
+    """The engine's own reset where it has one; else LRU eviction by fresh prompts of twice the
+    device pool (as the eviction check fills it), which the host tier must hold beside them."""
+    if C.RESET_PREFIX_CACHE in engine.supported():
+        engine.facet(CacheReset).reset_prefix_cache()
+        return
+    block = engine.block_size()
+    filler = 16 * block
+    for _ in range(-(-2 * engine.facet(KvPool).cache_capacity_tokens() // filler)):
+        engine.serve_prompt(prompts.fresh(filler))
+    engine.facet(OffloadTier).wait_idle()
 
 
 @pytest.fixture(scope="module")

@@ -161,15 +161,21 @@ def test_offloaded_prefix_returns_as_host_hit(
 ) -> None:
     expected = offload_run.expected_host_hit_tokens
     cached = sum(s.cached_tokens for s in offload_run.reserved)
-    host = engine.metric_delta("cached_by_source_host", offload_run.before, offload_run.after)
     verdict.equal(
         "cached_tokens_after_device_reset",
         cached,
         expected,
         "tokens",
-        note="every full block comes back from the host tier",
+        note="every full block comes back from the host tier (dropped from the device by "
+        + ("its reset)" if C.RESET_PREFIX_CACHE in engine.supported() else "LRU eviction)"),
     )
-    verdict.equal("host_source_counter_delta", host, expected, "tokens")
+    if "cached_by_source_host" in engine.metric_names:
+        host = engine.metric_delta("cached_by_source_host", offload_run.before, offload_run.after)
+        verdict.equal("host_source_counter_delta", host, expected, "tokens")
+    else:
+        verdict.record(
+            "host_source_counter_delta", "no host-source counter", note=f"engine {engine.name} has none"
+        )
     if "external_prefix_hits" in engine.metric_names:
         external = engine.metric_delta("external_prefix_hits", offload_run.before, offload_run.after)
         verdict.equal("external_prefix_hits_delta", external, expected, "tokens")
