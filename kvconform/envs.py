@@ -181,7 +181,7 @@ def specs_to_build(name: str) -> list[str]:
     spec, stack = name, []
     if name in registry.names():
         adapter = registry.adapter_class(name)
-        stack = list(adapter.stack_env_specs)
+        stack = list(getattr(adapter, "stack_env_specs", ()))
         if name not in known:
             spec = getattr(adapter, "env_spec", None) or ""
             if not spec:

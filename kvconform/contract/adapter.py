@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 import pytest
 
-from kvconform import envs, timing
+from kvconform import timing
 from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
 from kvconform.contract.facets import AttachedServer
 from kvconform.contract.types import (
@@ -31,7 +31,6 @@ from kvconform.contract.types import (
     ModelShape,
     ServedPrompt,
 )
-from kvconform.envs import BuiltEnv
 from kvconform.errors import UsageError
 from kvconform.events import EventLedger
 from kvconform.metrics import MetricSnapshot
@@ -79,10 +78,6 @@ class EngineAdapter(ABC):
     # Logical counters the engine exports only after their first event (absent reads 0).
     lazy_counters: ClassVar[frozenset[str]] = frozenset()
     model: ModelShape = ModelShape()  # a launch profile may set an instance's own
-    # Environment spec, in the adapter package's envs/ (None: runs in the suite's own environment).
-    env_spec: ClassVar[str | None] = None
-    # Specs of the other processes of the engine's stack, built with it (`kvconform env build`).
-    stack_env_specs: ClassVar[tuple[str, ...]] = ()
     # pytest option dests this adapter reads (added by its own pytest plugin), in ctx.options.
     pytest_options: ClassVar[tuple[str, ...]] = ()
 
@@ -91,7 +86,6 @@ class EngineAdapter(ABC):
         self.config: EngineConfig | None = None
         self.base_url: str | None = ctx.url
         self.ledger = EventLedger()
-        self._env: BuiltEnv | None = None
         # Why the last request failed at the transport (timed out, connection refused): the
         # next ensure() makes sure the engine still answers before a check relies on it.
         self._suspect: str | None = None
@@ -101,26 +95,13 @@ class EngineAdapter(ABC):
     # ---- identity -----------------------------------------------------------------------
     @property
     def version(self) -> str:
-        if self.attached:
-            return attached_server(self).attached_version()
-        if self.env_spec is None:
-            return "unknown"
-        try:
-            return self.env().version
-        except UsageError:
-            return "not built"
-
-    def env(self) -> BuiltEnv:
-        if self._env is None:
-            self._env = envs.find(self.ctx.env_name or self.env_spec or self.name)
-        return self._env
+        """The release judged (an engine in an environment of its own: kit.engine_env.EngineEnv)."""
+        return attached_server(self).attached_version() if self.attached else "unknown"
 
     def preflight(self) -> None:
         """Fail fast, with one line, on what would make every check of this engine fail."""
         if self.attached:
             attached_server(self).check_reachable()
-        elif self.env_spec is not None:
-            self.env()
 
     @property
     def attached(self) -> bool:

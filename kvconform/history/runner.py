@@ -14,41 +14,14 @@ import argparse
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvconform import bisect
 from kvconform.checkids import matches
 from kvconform.errors import UsageError
 from kvconform.history.corpus import Defect, load
+from kvconform.history.verdict import Side, Verdict
 from kvconform.records import CheckResult
-
-
-@dataclass
-class Side:
-    """One release of one bug: what the measure read, and whether it held."""
-
-    version: str
-    held: bool | None = None  # None: not judged
-    values: list[Any] = field(default_factory=list)
-    outcomes: list[str] = field(default_factory=list)
-    why: str = ""  # why not judged
-
-
-@dataclass
-class Verdict:
-    defect: Defect
-    bad: Side
-    fixed: Side
-
-    @property
-    def status(self) -> str:
-        if self.bad.held is None or self.fixed.held is None:
-            return "not judged"
-        if self.bad.held:
-            return "missed"
-        return "caught" if self.fixed.held else "fixed fails"
 
 
 def judge_side(defect: Defect, step: bisect.Step) -> Side:

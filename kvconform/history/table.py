@@ -10,7 +10,7 @@ from typing import Any
 
 from kvconform.formatting import md_cell
 from kvconform.history.corpus import Defect
-from kvconform.history.runner import Side, Verdict
+from kvconform.history.verdict import Side, Verdict
 from kvconform.results import source_commit
 
 Row = dict[str, Any]

@@ -13,7 +13,8 @@ from kvconform.checkids import base_check
 from kvconform.errors import UsageError
 from kvconform.gate import Results
 from kvconform.history import corpus, table
-from kvconform.history.runner import Verdict, judge_side
+from kvconform.history.runner import judge_side
+from kvconform.history.verdict import Verdict
 from kvconform.records import CheckResult
 from tests.paths import REPO
 

@@ -49,6 +49,7 @@ from kvconform.contract import (
     provides,
 )
 from kvconform.errors import EngineError, UsageError
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
@@ -65,7 +66,7 @@ PROCESSED_TOKENS = "llamacpp:prompt_tokens_total"
 CACHED_TOKENS = "llamacpp:prompt_tokens_cached_total"
 
 
-class LlamaCppAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
+class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset):
     name = "llamacpp"
     env_spec = "llamacpp"
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).

@@ -46,6 +46,7 @@ from kvconform.contract.adapter import timed_stop
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.events import StreamedLedger
 from kvconform.kit.drivers import DriverProcess, engine_side_script, live_driver
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
@@ -75,7 +76,15 @@ SHUTDOWN_ERRORS = (" ERROR ", "panicked", "Traceback")  # a second shutdown that
 
 
 class DynamoAdapter(
-    HttpApi, EngineAdapter, KvPool, KvRouter, SaltedPrompts, DisaggregatedServing, KvEvents, ReclaimProbe
+    EngineEnv,
+    HttpApi,
+    EngineAdapter,
+    KvPool,
+    KvRouter,
+    SaltedPrompts,
+    DisaggregatedServing,
+    KvEvents,
+    ReclaimProbe,
 ):
     name = "dynamo"
     env_spec = "dynamo"

@@ -47,6 +47,7 @@ from kvconform.contract import (
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
 from kvconform.kit.drivers import DriverProcess, live_driver
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier, StoreTier
 from kvconform.kit.server import LaunchedServer
@@ -82,7 +83,9 @@ def check(argv):
 """
 
 
-class LmcacheAdapter(HttpApi, EngineAdapter, KvPool, SaltedPrompts, KvEvents, ReclaimProbe, CacheReset):
+class LmcacheAdapter(
+    EngineEnv, HttpApi, EngineAdapter, KvPool, SaltedPrompts, KvEvents, ReclaimProbe, CacheReset
+):
     name = "lmcache"
     env_spec = "lmcache"
     default_block_size = 256  # LMCache's chunk size

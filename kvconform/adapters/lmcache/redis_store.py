@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvconform.adapters.lmcache.redis_server import REDIS_MAXMEMORY, RedisServer
 from kvconform.contract import RemoteStore
 from kvconform.errors import EngineError
 from kvconform.processes import TeardownReport
 
-if TYPE_CHECKING:
-    from kvconform.adapters.lmcache.adapter import LmcacheRedisAdapter
-
 REDIS_L2_CAPACITY_BYTES = 8 * 2**20  # 32 chunks of 256 tokens: the L2 eviction check fills it twice over
 MODEL_NAME = "kvc-model"  # what our client registers; LMCache's keys start "kvc-model@"
+
+
+class RedisOwner(Protocol):
+    """What the store needs of the adapter that runs Redis beside its engine."""
+
+    @property
+    def name(self) -> str: ...
+
+    def running_redis(self) -> RedisServer: ...
+    def ensure_redis(self) -> RedisServer: ...
+    def stop_remote(self) -> TeardownReport: ...
+    def stop(self) -> list[TeardownReport]: ...
 
 
 class RedisStore(RemoteStore):
     """The adapter's Redis, alive or not: every call finds the server that runs now."""
 
-    def __init__(self, adapter: LmcacheRedisAdapter) -> None:
+    def __init__(self, adapter: RedisOwner) -> None:
         self.adapter = adapter
 
     def _redis(self) -> RedisServer:

@@ -68,6 +68,7 @@ from kvconform.contract import (
 from kvconform.envs import BuiltEnv
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import DriverProcess
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
@@ -117,7 +118,7 @@ def token_ids(text: str) -> list[int]:
     return [int(m.group(1)) for m in WORD.finditer(text or "")]
 
 
-class OmlxAdapter(HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset, ReleaseGuard):
+class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset, ReleaseGuard):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
     default_block_size = BLOCK_SIZE

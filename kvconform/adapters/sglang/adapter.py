@@ -35,6 +35,7 @@ from kvconform.contract import (
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, Kind, KvEvent, hash_text
 from kvconform.kit.drivers import DriverProcess, live_driver
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.metrics import MetricSnapshot, snapshot_from_values
 from kvconform.processes import TeardownReport
 
@@ -78,7 +79,7 @@ _EVENT_KINDS: dict[str, Kind] = {
 }
 
 
-class SglangAdapter(EngineAdapter, KvPool, SaltedPrompts, KvEvents, CacheReset):
+class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, CacheReset):
     name = "sglang"
     env_spec = "sglang"
     default_block_size = 16  # SGLang's page size

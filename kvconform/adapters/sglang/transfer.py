@@ -3,19 +3,28 @@ drivers/) as the KvTransfer facet."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from kvconform.contract import EngineConfig, KvTransfer, TransferResult
+from kvconform.contract import EngineConfig, KvTransfer, ModelShape, TransferResult
 
-if TYPE_CHECKING:
-    from kvconform.adapters.sglang.adapter import SglangAdapter
+
+class SenderDriver(Protocol):
+    """What the transfer needs of the in-process SGLang adapter: its driver and its cache."""
+
+    config: EngineConfig | None
+    model: ModelShape
+    cache_api: bool
+    default_block_size: int
+
+    def call(self, op: str, **args: Any) -> Any: ...
+    def new_cache(self, page_size: int) -> dict[str, Any]: ...
 
 
 class SglangTransfer(KvTransfer):
     layouts = ("mha", "mla", "mla_state")
     page_sizes = (1, 4, 16)
 
-    def __init__(self, adapter: SglangAdapter) -> None:
+    def __init__(self, adapter: SenderDriver) -> None:
         self.adapter = adapter
 
     def transfer(

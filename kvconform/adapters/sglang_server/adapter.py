@@ -83,6 +83,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.restart_churn import RestartChurn
@@ -157,7 +158,15 @@ SERVER_METRICS: dict[str, str] = {
 
 
 class SglangServerAdapter(
-    ZmqEventFeed, HttpApi, EngineAdapter, KvPool, SaltedPrompts, ReclaimProbe, SelfChecks, CacheReset
+    EngineEnv,
+    ZmqEventFeed,
+    HttpApi,
+    EngineAdapter,
+    KvPool,
+    SaltedPrompts,
+    ReclaimProbe,
+    SelfChecks,
+    CacheReset,
 ):
     name = "sglang-server"
     env_spec = "sglang-server"
@@ -368,11 +377,11 @@ class SglangServerAdapter(
             env = self.env()
         except UsageError:
             env = envs.find(envs.load_spec(self.ctx.env_name or str(self.env_spec)).parser_env)
-        saved, self._env = self._env, env  # the argv names this interpreter; restored below
+        saved, self._environment = self._environment, env  # the argv names this interpreter; restored below
         try:
             argv = self.server_argv(EngineConfig(), 30000, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")[1:]
         finally:
-            self._env = saved
+            self._environment = saved
         extra = {"PYTHONPATH": os.pathsep.join(str(d) for d in STUB_DIRS)} if not env.spec.gpu else {}
         error = envs.check_argv(
             env, SERVER_PARSER_CODE, argv, {**extra, "SGLANG_USE_CPU_ENGINE": "1"} if extra else {}

@@ -71,6 +71,7 @@ from kvconform.contract import (
 )
 from kvconform.errors import EngineError, KvconformError, UsageError
 from kvconform.events import EventLedger, KvEvent, hash_text
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.server import LaunchedServer
 from kvconform.metrics import MetricSnapshot
@@ -383,7 +384,7 @@ class DrainingConsumer:
         self._thread.join(timeout=10)
 
 
-class TrtllmAdapter(HttpApi, EngineAdapter, KvPool, KvEvents):
+class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
     name = "trtllm"
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the adapter reads the real one from kvCacheStats.

@@ -36,6 +36,7 @@ from kvconform.contract import (
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
+from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
 from kvconform.kit.offload_tier import MetricOffloadTier
@@ -107,6 +108,7 @@ SCHEDULER_DRIVER_BLOCKS = 64  # the in-process scheduler's pool (RELEASE_GUARD):
 
 
 class VllmAdapter(
+    EngineEnv,
     DisaggregatedPair,
     ZmqEventFeed,
     HttpApi,
