@@ -78,8 +78,6 @@ class EngineAdapter(ABC):
     # Logical counters the engine exports only after their first event (absent reads 0).
     lazy_counters: ClassVar[frozenset[str]] = frozenset()
     model: ModelShape = ModelShape()  # a launch profile may set an instance's own
-    # pytest option dests this adapter reads (added by its own pytest plugin), in ctx.options.
-    pytest_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: AdapterContext) -> None:
         self.ctx = ctx

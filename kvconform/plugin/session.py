@@ -66,6 +66,7 @@ class KvSession:
 
     def context(self, name: str, cls: type) -> AdapterContext:
         options: dict[str, Any] = {}
+        # an adapter with pytest options of its own (its plugin adds them) names their dests
         for dest in getattr(cls, "pytest_options", ()):
             options[dest] = self.config.getoption(dest)
         return AdapterContext(

@@ -73,7 +73,8 @@ class ReferenceAdapter(
 ):
     name = "reference"
     env_spec = None
-    pytest_options = ("fault",)  # --fault, added by kvconform.adapters.reference.options
+    # pytest option dests it reads from ctx.options (its own plugin adds --fault: .options)
+    pytest_options = ("fault",)
     default_block_size = 16
     model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
