@@ -71,17 +71,21 @@ class _Tree:
     emitters: dict[tuple[int, int], _Emitter] = field(default_factory=dict)
     keys: dict[int, str] = field(default_factory=dict)  # engine block hash -> chunk hash (hex)
     prefix_tokens: dict[int, list[int]] = field(default_factory=dict)  # engine hash -> its whole prefix
+    owners: dict[str, tuple[int, int]] = field(default_factory=dict)  # instance id -> (worker, rank)
 
     def emitter(self, worker: int, dp_rank: int) -> _Emitter:
         if (worker, dp_rank) not in self.emitters:
-            self.emitters[(worker, dp_rank)] = _Emitter(f"{self.model}/w{worker}/dp{dp_rank}")
+            emitter = _Emitter(f"{self.model}/w{worker}/dp{dp_rank}")
+            self.emitters[(worker, dp_rank)] = emitter
+            self.owners[emitter.instance] = (worker, dp_rank)
         return self.emitters[(worker, dp_rank)]
 
-    def owner(self, instance: str) -> tuple[int, int] | None:
-        for ident, emitter in self.emitters.items():
-            if emitter.instance == instance:
-                return ident
-        return None
+    def empty(self) -> None:
+        """What a new directory holds of this tree: nothing, and no emitter yet."""
+        self.emitters.clear()
+        self.keys.clear()
+        self.prefix_tokens.clear()
+        self.owners.clear()
 
     def object_key(self, chunk_hex: str) -> dict[str, Any]:
         return {
@@ -117,9 +121,7 @@ class LmcacheCoordinatorIndex(RouterIndex):
         if self.server is not None and chunk_size not in (None, self.chunk_size):
             self.close()  # another chunk size: a new directory, every tree empty again
             for state in self.trees.values():
-                state.emitters.clear()
-                state.keys.clear()
-                state.prefix_tokens.clear()
+                state.empty()
         if self.server is None:
             self.chunk_size = chunk_size or 256
             port = free_port()
@@ -210,7 +212,6 @@ class LmcacheCoordinatorIndex(RouterIndex):
 
     def _keys_of(self, state: _Tree, parent: int | None, blocks: tuple[IndexBlock, ...]) -> list[str]:
         if all(b.tokens_hash is not None for b in blocks):  # content hashes given: keys as they are
-            self._ensure()
             keys = [key_hex(b.tokens_hash or 0) for b in blocks]
             state.keys.update((b.hash, k) for b, k in zip(blocks, keys, strict=True))
             return keys
@@ -236,18 +237,18 @@ class LmcacheCoordinatorIndex(RouterIndex):
             return {}
         keys = [state.object_key(key_hex(h)) for h in content_hashes]
         results = self._post("/directory/lookup", {"keys": keys})["results"]
-        matched: dict[int, int] = {}
+        run: dict[str, int] = {}  # instance -> the leading run of the query it holds
         holding: set[str] | None = None
-        for result in results:  # one per key, in query order: the leading run each instance holds
+        for result in results:  # one per key, in query order
             here = {p["instance_id"] for p in result["placements"] if p["tier"] == TIER}
             holding = here if holding is None else holding & here
             for instance in holding:
-                owner = state.owner(instance)
-                if owner is not None:
-                    matched[owner[0]] = matched.get(owner[0], 0) + 1
+                run[instance] = run.get(instance, 0) + 1
         by_worker: dict[int, int] = {}  # the longest over each worker's ranks
-        for worker, blocks in matched.items():
-            by_worker[worker] = max(by_worker.get(worker, 0), blocks)
+        for instance, blocks in run.items():
+            if instance in state.owners:
+                worker = state.owners[instance][0]
+                by_worker[worker] = max(by_worker.get(worker, 0), blocks)
         return by_worker
 
     def dump(self, tree: str) -> list[IndexEvent]:
@@ -258,7 +259,7 @@ class LmcacheCoordinatorIndex(RouterIndex):
             if row["key"]["model_name"] != state.model:
                 continue
             for placement in row["placements"]:
-                owner = state.owner(placement["instance_id"])
+                owner = state.owners.get(placement["instance_id"])
                 if owner is not None and placement["tier"] == TIER:
                     held.setdefault(owner, []).append(int(row["key"]["chunk_hash_hex"], 16))
         return [

@@ -161,7 +161,6 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
             models = "attached: the models are a team's own; the suite never unloads them"
             gaps |= {C.FORCED_EVICTION: ssd, C.INSTANCE_CHURN: models, C.INSTANCE_REGISTRY: models}
             gaps[C.RELEASE_GUARD] = "attached: the release is driven in an engine the suite builds"
-
         return gaps
 
     def __init__(self, ctx: AdapterContext) -> None:
@@ -687,15 +686,12 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         """EngineCore.abort_request twice for a request holding a cached prefix, with a witness
         request on the same prefix (drivers/omlx_release_driver.py), in a driver process of its
         own: the engine it builds is dropped with it."""
-        env = self._built_env()
-        if env is None:
-            raise UsageError("engine omlx: the release driver needs the omlx environment")
         work = self.ctx.workdir / "release-guard"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         driver = DriverProcess(
             self.name,
-            env.python,
+            self.env().python,
             DRIVERS / "omlx_release_driver.py",
             self.ctx.workdir / "logs" / "omlx-release-driver.log",
             env={"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"},
