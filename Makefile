@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # In this order: the engines run in two xdist lanes (one group per engine, given to the worker
 # that frees first), so no two engines of one family (vLLM, LMCache) overlap on a 2-core runner.
-REAL_ENGINES ?= vllm lmcache sglang-server vllm-lmcache sglang dynamo omlx
+REAL_ENGINES ?= vllm lmcache sglang-server vllm-lmcache sglang dynamo omlx vllm-obj
 # `make mutants` judges these in a session of their own. lmcache-redis was moved out when two
 # LMCache stacks in one session seemed to disturb each other; both symptoms had other causes
 # since found (LMCache's 1 Hz eviction loop; a client signalled before its finalizers unlinked

@@ -22,6 +22,7 @@ BUILTIN: dict[str, str] = {
     "reference": "kvconform.adapters.reference.adapter:ReferenceAdapter",
     "vllm": "kvconform.adapters.vllm.adapter:VllmAdapter",
     "vllm-lmcache": "kvconform.adapters.vllm_lmcache.adapter:VllmLmcacheAdapter",
+    "vllm-obj": "kvconform.adapters.vllm_obj.adapter:VllmObjAdapter",
     "lmcache": "kvconform.adapters.lmcache.adapter:LmcacheAdapter",
     "lmcache-redis": "kvconform.adapters.lmcache.adapter:LmcacheRedisAdapter",
     "sglang": "kvconform.adapters.sglang.adapter:SglangAdapter",

@@ -176,6 +176,10 @@ class VllmAdapter(
     # A reset asks vLLM to reset the connector's cache too (`reset_external=true`): the offload
     # tier is vLLM's own and stays, a connector's store is the prefix cache of the stack.
     reset_external: ClassVar[bool] = False
+    # The persistent config's tier behind the offload tier (vllm/v1/kv_offload/tiering/factory.py
+    # registers "fs" and "obj"), and what its server's environment needs for it.
+    secondary_tier_type: ClassVar[str] = "fs"
+    secondary_tier_env: ClassVar[dict[str, str]] = {}
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
@@ -204,7 +208,7 @@ class VllmAdapter(
         self.profile = apply_launch_profile(self)
         self._gpu_before: int | None = None
         self._pool_blocks: int | None = None
-        self._host_tiers: tuple[str, ...] = ()  # set at start: "host", and "fs" behind it
+        self._host_tiers: tuple[str, ...] = ()  # set at start: "host", and the persistent tier behind it
         self._serving = False  # healthy and not being stopped: a CUDA build holds its KV now
         self.scheduler_driver: DriverProcess | None = None  # RELEASE_GUARD
         self._released = 0
@@ -376,14 +380,7 @@ class VllmAdapter(
         extra = self.host_copy_extra_config()
         extra.pop(FAIL_STORES_KEY)
         extra["spec_name"] = TIERING_SPEC_CLASS
-        extra["secondary_tiers"] = [
-            {
-                "type": "fs",
-                "root_dir": str(self.fs_tier_dir()),
-                "n_read_threads": FS_TIER_THREADS,
-                "n_write_threads": FS_TIER_THREADS,
-            }
-        ]
+        extra["secondary_tiers"] = [self.secondary_tier()]
         transfer = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -391,10 +388,20 @@ class VllmAdapter(
         }
         return ["--kv-transfer-config", json.dumps(transfer)]
 
+    def secondary_tier(self) -> dict[str, object]:
+        """The persistent tier behind the offload tier, as one entry of vLLM's secondary_tiers."""
+        return {
+            "type": self.secondary_tier_type,
+            "root_dir": str(self.fs_tier_dir()),
+            "n_read_threads": FS_TIER_THREADS,
+            "n_write_threads": FS_TIER_THREADS,
+        }
+
     def host_tier_on(self, tier: str = "host") -> bool:
         """Whether the running server has our host tier (OffloadingConnector with our spec),
-        or ("fs") vLLM's fs tier behind it. A stack that starts vLLM with a connector of its
-        own (vllm-lmcache) has neither, whatever persistence its config asks for."""
+        or (its secondary_tier_type) vLLM's persistent tier behind it. A stack that starts vLLM
+        with a connector of its own (vllm-lmcache) has neither, whatever persistence its config
+        asks for."""
         return self.config is not None and tier in self._host_tiers
 
     def runs_host_tier(self) -> bool:
@@ -411,13 +418,14 @@ class VllmAdapter(
         """The fs tier's block files (vllm-lmcache's persistence is the LMCache server's, which
         outlives vLLM's restart: no files, nothing to flush on vLLM's side)."""
         block_bytes = self.model.block_bytes(self.block_size())
-        return FileTier(self.fs_tier_dir(), "**/*.bin", block_bytes, self._flush_fs_tier)
+        return FileTier(self.fs_tier_dir(), "**/*.bin", block_bytes, self.flush_secondary_tier)
 
-    def _flush_fs_tier(self) -> None:
-        """Until the fs tier holds what was stored: our worker has no store in flight, vLLM's
-        tiering manager no cascade job to the tier (vllm:kv_offload_tiering_active_cascade_jobs,
-        vllm/v1/kv_offload/tiering/metrics.py) and the tier's files stopped changing."""
-        if not self.host_tier_on("fs"):
+    def flush_secondary_tier(self) -> None:
+        """Until the persistent tier holds what was stored: our worker has no store in flight,
+        vLLM's tiering manager no cascade job to the tier (vllm:kv_offload_tiering_active_
+        cascade_jobs, vllm/v1/kv_offload/tiering/metrics.py) and the tier's entries stopped
+        changing."""
+        if not self.host_tier_on(self.secondary_tier_type):
             return
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
         seen: tuple[int, int] | None = None
@@ -436,7 +444,8 @@ class VllmAdapter(
             seen = state
         raise EngineError(
             self.name,
-            f"the fs tier did not settle in {FLUSH_TIMEOUT_S:.0f}s (files, bytes: {seen})",
+            f"the {self.secondary_tier_type} tier did not settle in {FLUSH_TIMEOUT_S:.0f}s "
+            f"(entries, bytes: {seen})",
             self.log_tail(),
         )
 
@@ -621,11 +630,14 @@ class VllmAdapter(
             env["VLLM_TARGET_DEVICE"] = "cpu"
         if config.persistent:
             self.persistent_args()  # NotImplementedError now, before a server starts
+            env.update(self.secondary_tier_env)
         if config.offload or config.persistent:
             env["PYTHONPATH"] = str(DRIVERS)  # the offload spec module, imported by vLLM
         env.update(self.profile.env_vars)
         self._pool_blocks = None
-        self._host_tiers = ("host", "fs") if config.persistent else ("host",) if config.offload else ()
+        self._host_tiers = (
+            ("host", self.secondary_tier_type) if config.persistent else ("host",) if config.offload else ()
+        )
         if self._gpu_before is None and nvml().available:
             self._gpu_before = nvml().sample([]).device_used  # device-wide, before any server
         try:
