@@ -80,6 +80,10 @@ class HttpApi(_Base):
         except requests.RequestException as exc:
             self._suspect = f"{what} failed: {type(exc).__name__}"
             raise EngineError(self.name, f"{what} failed: {exc}", self.log_tail()) from None
+        if resp.status_code >= 500:
+            # a server error may be the engine dying (vLLM answers 500 while its EngineCore shuts
+            # down, its API server still up): the next ensure() asks its health first
+            self._suspect = f"{what} -> HTTP {resp.status_code}"
         if resp.status_code >= 400:
             raise EngineError(
                 self.name, f"{what} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
