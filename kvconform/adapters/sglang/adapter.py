@@ -51,7 +51,6 @@ INPROCESS_CAPABILITIES = frozenset(
         C.BLOCK_SIZE_CONFIG,
         C.RESTART,  # a new driver process: SGLang's block hashes must not depend on the process
         C.FORCED_EVICTION,
-        C.HOST_MEMORY,
         C.KV_EVENTS,
         C.CACHE_SALT,  # Req(cache_salt=...) through the scheduler's admit/release path
         C.PAGE_INDEX,
