@@ -33,7 +33,7 @@ from kvconform.contract.facets import (
 
 # A method by name (the adapter's own or its inherited facet's), or a facet by its type.
 Need = str | type
-# Where the stubs live: a method still from here is not provided.
+# Where the stubs live: a method still from here (or a module below) is not provided.
 STUB_MODULES = ("kvconform.contract.adapter", "kvconform.contract.facets")
 
 NEEDS: dict[C, tuple[Need, ...]] = {
@@ -77,7 +77,8 @@ def need_name(need: Need) -> str:
 def provided(cls: type[EngineAdapter], need: Need) -> bool:
     if isinstance(need, str):
         method = getattr(cls, need, None)
-        return method is not None and getattr(method, "__module__", None) not in STUB_MODULES
+        module = str(getattr(method, "__module__", ""))
+        return method is not None and not any(module == m or module.startswith(f"{m}.") for m in STUB_MODULES)
     return class_provides(cls, need)
 
 

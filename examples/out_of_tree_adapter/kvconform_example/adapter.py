@@ -14,7 +14,7 @@ is. What an adapter for a new engine writes, all of it here:
 - `serve_prompt`: prompt tokens, cached tokens, output token ids, from the engine's own answer;
 - `metrics` and `metric_names`: the suite's logical names mapped to the engine's series;
 - `reset_prefix_cache`, where the engine has one: the CacheReset facet, which the adapter
-  provides by inheriting it (kvconform/contract/facets.py has every facet).
+  provides by inheriting it (kvconform/contract/facets/ has every facet).
 """
 
 from __future__ import annotations
