@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         "--reuse", action="store_true", help="keep sessions already recorded under --work (rewrite the table)"
     )
     mut.add_argument(
+        "--reasons",
+        action="store_true",
+        help="only rewrite the table at --out with each engine's unproven reasons from its catalog",
+    )
+    mut.add_argument(
         "--merge",
         action="store_true",
         help="merge into the table at --out (these mutants replace their rows)",

@@ -6,13 +6,15 @@ import argparse
 from pathlib import Path
 
 from kvconform import registry
-from kvconform.mutants.catalog import mutants_of
+from kvconform.mutants.catalog import mutants_of, unproven_reasons
 from kvconform.mutants.proof import credit_releases, load, merge, prove_engine, write
 from kvconform.records import read_records
 from kvconform.results import source_commit
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if args.reasons:
+        return rewrite_reasons(Path(args.out))
     judged_engines = {r.engine for path in args.judged for r in read_records(path)}
     engines = args.engine or [n for n in registry.names() if mutants_of(n) or n in judged_engines]
     proofs = []
@@ -44,3 +46,17 @@ def run_cli(args: argparse.Namespace) -> int:
     write(proofs, out, commit)
     print(f"[mutants] proof table: {out}")
     return 0 if all(o.status == "killed" for p in proofs for o in p.outcomes) else 1
+
+
+def rewrite_reasons(out: Path) -> int:
+    """The table at `out` again, each engine's unproven reasons read anew from its catalog: a
+    reason is the catalog's word, not a run's, so writing one down needs no session."""
+    proofs = load(out.with_suffix(".json"))
+    if not proofs:
+        print(f"[mutants] no proof table at {out}")
+        return 1
+    for proof in proofs:
+        proof.reasons = unproven_reasons(proof.engine)
+    write(proofs, out, source_commit())
+    print(f"[mutants] proof table: {out} (unproven reasons rewritten from the catalogs)")
+    return 0

@@ -198,3 +198,20 @@ def test_a_caught_shipped_bug_proves_its_measure_on_its_engine_only(tmp_path: Pa
     credit_releases([proof], history)
     credit_releases([proof], history)  # idempotent: the table is rewritten on every merge
     assert proof.measures == {"s::test_x :: m": ["release 1.0 (caught-1, fixed in 1.1)"]}
+
+
+def test_reasons_are_rewritten_from_the_catalog_without_a_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvconform.mutants import runner
+    from kvconform.mutants.proof import EngineProof, load, write
+
+    out = tmp_path / "mutants.md"
+    write([EngineProof("e", "1", [], {"s::test_x :: m": []}, written="2026-12-02 at commit abc")], out, "abc")
+    assert "unproven on e: no mutant, release or finding" in out.read_text()
+    monkeypatch.setattr(runner, "unproven_reasons", lambda engine: {"s::test_x :: m": f"{engine}: by design"})
+    assert runner.rewrite_reasons(out) == 0
+    assert "unproven on e: e: by design" in out.read_text()
+    (proof,) = load(out.with_suffix(".json"))
+    assert proof.written == "2026-12-02 at commit abc" and proof.measures == {"s::test_x :: m": []}
+    assert runner.rewrite_reasons(tmp_path / "none.md") == 1
