@@ -543,13 +543,26 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         return BLOCK_SIZE
 
     def resolved_block_size(self) -> int | None:
-        """The block size the server says it runs at (runtime_cache.effective_block_sizes),
-        for the suite to judge against the one it requested; None where it does not say."""
-        with contextlib.suppress(EngineError):
-            sizes = (self.session_stats().get("runtime_cache") or {}).get("effective_block_sizes") or []
-            if sizes:
-                return int(sizes[0])
-        return None
+        """The block size the server says its model runs at (runtime_cache.effective_block_sizes),
+        for the suite to judge against the one it requested. oMLX reports sizes only for the
+        models its pool has loaded (admin/routes.py _build_runtime_cache_observability) and
+        loads one at its first request, so the model is loaded first (the admin load answers
+        "Already loaded" where it is): whether the size is judged must not depend on whether a
+        request came before. A loaded model without a size is an error, never "not reported"
+        (until 2026-12-06 it read None: a mutant that moved the block size went unjudged on a
+        fresh server). Attached: None (attached_block_size reads the stats, loading nothing on
+        a team's server)."""
+        if self.attached:
+            return None
+        loaded = self._model_action("load")
+        if loaded.status_code != 200:
+            raise EngineError(
+                self.name, f"load {self.model_name()} -> HTTP {loaded.status_code}: {loaded.text[:200]}"
+            )
+        sizes = (self.session_stats().get("runtime_cache") or {}).get("effective_block_sizes") or []
+        if not sizes:
+            raise EngineError(self.name, f"{ADMIN}/stats reports no block size for the loaded model")
+        return int(sizes[0])
 
     def attached_block_size(self) -> int:
         if self._attached_block is None:

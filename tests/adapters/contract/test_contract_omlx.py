@@ -30,9 +30,11 @@ def test_block_size_is_read_from_runtime_cache(omlx: OmlxAdapter) -> None:
 
 
 def test_resolved_block_size_is_the_servers_report(omlx: OmlxAdapter, fake_omlx: FakeOmlx) -> None:
-    assert omlx.resolved_block_size() == 16  # judged by the suite, never its oracle's block
-    fake_omlx.faults["/admin/api/stats"] = "500"
-    assert omlx.resolved_block_size() is None
+    from kvconform.suites.prefix_reuse.counters import resolved_block_size
+
+    assert omlx.resolved_block_size() is None  # attached: nothing is loaded on a team's server
+    assert resolved_block_size(omlx) == 16  # the stats' report, judged, never the oracle's block
+    assert not any(path.endswith("/load") for _, path in fake_omlx.log)
 
 
 def test_launched_block_size_is_the_fixed_one_never_the_report(tmp_path: Path) -> None:
