@@ -93,11 +93,14 @@ class VllmObjAdapter(VllmAdapter):
         return super().engine_pids() + (self.s3.pids() if self.s3 and self.s3.alive() else [])
 
     def close(self) -> None:
-        super().close()
-        if self.s3 is not None:
-            report = self.stop_remote()
-            if not report.clean:
-                raise EngineError(self.name, f"S3 server teardown: {report.describe()}")
+        report = None
+        try:
+            super().close()
+        finally:  # the S3 server goes whatever vLLM's teardown raised
+            if self.s3 is not None:
+                report = self.stop_remote()
+        if report is not None and not report.clean:
+            raise EngineError(self.name, f"S3 server teardown: {report.describe()}")
 
     def describe_logs(self) -> dict[str, str]:
         logs = super().describe_logs()

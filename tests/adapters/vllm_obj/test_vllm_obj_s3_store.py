@@ -42,7 +42,7 @@ class Owner:
         report, self.s3 = self.s3.stop(), None
         return report
 
-    def stop(self) -> list:
+    def stop(self) -> list[TeardownReport]:
         self.stopped += 1
         return []
 
