@@ -554,11 +554,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         a team's server)."""
         if self.attached:
             return None
-        loaded = self._model_action("load")
-        if loaded.status_code != 200:
-            raise EngineError(
-                self.name, f"load {self.model_name()} -> HTTP {loaded.status_code}: {loaded.text[:200]}"
-            )
+        self._load_model()
         sizes = (self.session_stats().get("runtime_cache") or {}).get("effective_block_sizes") or []
         if not sizes:
             raise EngineError(self.name, f"{ADMIN}/stats reports no block size for the loaded model")
@@ -646,12 +642,16 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         """POST /admin/api/models/{id}/load|unload (omlx/admin/routes.py:1918, :1970)."""
         return self._admin_request("POST", f"/models/{self.model_name()}/{action}")
 
-    def _load_serve_unload(self, tokens: list[int]) -> requests.Response:
+    def _load_model(self) -> None:
+        """Load the model (oMLX answers "Already loaded" where it is); an error names the answer."""
         loaded = self._model_action("load")
         if loaded.status_code != 200:
             raise EngineError(
                 self.name, f"load {self.model_name()} -> HTTP {loaded.status_code}: {loaded.text[:200]}"
             )
+
+    def _load_serve_unload(self, tokens: list[int]) -> requests.Response:
+        self._load_model()
         for shift in range(3):
             self.serve_prompt(tokens[: len(tokens) - shift])
         return self._model_action(UNLOAD)
