@@ -24,8 +24,11 @@ def adapter(workdir: Path) -> VllmObjAdapter:
     return VllmObjAdapter(AdapterContext(workdir=workdir))
 
 
-def test_s3_store_round_trip_wipe_and_clean_stop(tmp_path: Path) -> None:
+def test_s3_store_round_trip_wipe_and_clean_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     owner = adapter(tmp_path)
+    stops: list[int] = []
+    real_stop = owner.stop
+    monkeypatch.setattr(owner, "stop", lambda: stops.append(1) or real_stop())
     store = S3Store(owner)
     server = owner.ensure_s3()
     pids = server.pids()
@@ -38,7 +41,7 @@ def test_s3_store_round_trip_wipe_and_clean_stop(tmp_path: Path) -> None:
     store.write(key, store.read(key)[:50])  # damage in place, as the suite does
     assert store.entries() == {key: 50}
     store.wipe()  # vLLM stopped (none runs), the bucket emptied
-    assert store.objects_total() == 0
+    assert stops == [1] and store.objects_total() == 0
     with pytest.raises(NotImplementedError):
         store.capacity_bytes()
     report = store.down()
