@@ -299,6 +299,9 @@ class LmcacheAdapter(
     def ensure(self, config: EngineConfig | None = None) -> None:
         """Attached, the suite still needs its client: it speaks LMCache's RPC protocol, whose
         address the HTTP URL does not give (KVCONFORM_LMCACHE_RPC_URL)."""
+        # A check starts on the server's own measures: a churn check's path (close, destroy)
+        # would otherwise choose the reclaim probe of every check after it.
+        self.churn_path = "unregister"
         super().ensure(config)
         if self.attached and self.client is None:
             self.rpc_url = os.environ.get("KVCONFORM_LMCACHE_RPC_URL", "")
