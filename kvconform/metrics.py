@@ -76,6 +76,31 @@ class MetricSnapshot:
         return out
 
 
+@dataclass(frozen=True)
+class MetricMap:
+    """An engine's names for the suite's logical metrics: logical -> Prometheus sample name,
+    with fixed labels as 'name{label=value,...}'. `lazy`: the counters the engine exports only
+    after their first event (absent reads 0; any other absent metric is an error)."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    lazy: frozenset[str] = frozenset()
+
+    def __contains__(self, logical: object) -> bool:
+        return logical in self.names
+
+    def read(self, engine: str, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+        spec = self.names.get(logical)
+        if spec is None:
+            raise NotImplementedError(f"engine {engine} maps no metric for {logical!r}")
+        name, _, label_text = spec.partition("{")
+        for pair in filter(None, label_text.rstrip("}").split(",")):
+            key, _, value = pair.partition("=")
+            labels.setdefault(key.strip(), value.strip().strip('"'))
+        if logical in self.lazy and not snapshot.has(name):
+            return 0.0  # a counter the engine creates on first use: absent means 0
+        return snapshot.value(name, None, **labels)
+
+
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
 _only = threading.local()
 

@@ -3,7 +3,15 @@
 Suites and adapters import from here; the harness never imports an adapter or an engine.
 """
 
-from kvconform.contract.adapter import EngineAdapter, apply_launch_profile, has_facet, provides
+from kvconform.contract.adapter import (
+    EngineAdapter,
+    apply_launch_profile,
+    has_facet,
+    metric_delta,
+    provides,
+    restart,
+    supported,
+)
 from kvconform.contract.capabilities import Capability
 from kvconform.contract.facets import (
     ActiveBlockTracker,
@@ -51,6 +59,7 @@ from kvconform.contract.types import (
     ServedPrompt,
     TransferResult,
 )
+from kvconform.metrics import MetricMap
 from kvconform.oracles import LastToken
 from kvconform.polling import poll_until, seconds_until_steady
 
@@ -77,6 +86,7 @@ __all__ = [
     "KvRouter",
     "KvTransfer",
     "LastToken",
+    "MetricMap",
     "ModelShape",
     "OffloadTier",
     "Outcome",
@@ -102,7 +112,10 @@ __all__ = [
     "TransferResult",
     "apply_launch_profile",
     "has_facet",
+    "metric_delta",
     "poll_until",
     "provides",
+    "restart",
     "seconds_until_steady",
+    "supported",
 ]

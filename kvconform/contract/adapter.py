@@ -33,7 +33,7 @@ from kvconform.contract.types import (
 )
 from kvconform.errors import UsageError
 from kvconform.events import EventLedger
-from kvconform.metrics import MetricSnapshot
+from kvconform.metrics import MetricMap, MetricSnapshot
 from kvconform.processes import TeardownReport
 from kvconform.results import Measure
 
@@ -73,10 +73,7 @@ class EngineAdapter(ABC):
     # token by token (no blocks). A launch profile may set an instance's own.
     default_block_size: int = 16
     traits: ClassVar[EngineTraits] = EngineTraits()  # where oracles and waits follow the engine's design
-    # Logical metric -> this engine's metric name (Prometheus sample name).
-    metric_names: ClassVar[dict[str, str]] = {}
-    # Logical counters the engine exports only after their first event (absent reads 0).
-    lazy_counters: ClassVar[frozenset[str]] = frozenset()
+    metric_map: ClassVar[MetricMap] = MetricMap()  # the suite's logical metrics, in this engine's names
     model: ModelShape = ModelShape()  # a launch profile may set an instance's own
 
     def __init__(self, ctx: AdapterContext) -> None:
@@ -114,12 +111,6 @@ class EngineAdapter(ABC):
         why = "attached: needs an engine the suite launched"
         return {capability: why for capability in self.capabilities & NEEDS_LAUNCH}
 
-    def supported(self) -> frozenset[Capability]:
-        """What checks may require of this instance: the capabilities it declares, less those
-        it cannot offer (unsupported())."""
-        gaps = self.unsupported()
-        return frozenset(c for c in self.capabilities if c not in gaps)
-
     def block_size(self) -> int:
         if self.attached:
             reported = attached_server(self).attached_block_size()
@@ -145,7 +136,7 @@ class EngineAdapter(ABC):
         if config.block_size == self.default_block_size:
             config = config.with_(block_size=None)  # the same server as the default config
         if self.attached:
-            self._ensure_attached(config)
+            ensure_attached(self, config)
             return
         lost = None
         if self.config == config:
@@ -163,22 +154,6 @@ class EngineAdapter(ABC):
                 f"engine {self.name} relaunched before this check: {lost}; teardown: {teardown}"
             )
 
-    def _ensure_attached(self, config: EngineConfig) -> None:
-        if self._lost is None and (self.config is None or self._suspect is not None):
-            try:
-                attached_server(self).check_reachable()
-            except UsageError as exc:
-                if self.config is None:
-                    raise
-                self._lost = f"{exc} after {self._suspect}"
-            self._suspect = None
-            self.config = config
-        if self._lost is not None:
-            pytest.skip(
-                f"engine {self.name} went away during the session ({self._lost}); attach mode "
-                "cannot relaunch it, so the rest of the session is skipped"
-            )
-
     def start(self, config: EngineConfig) -> None:
         raise NotImplementedError
 
@@ -186,13 +161,6 @@ class EngineAdapter(ABC):
         """Stop every process this adapter started; reports say what teardown found."""
         self.config = None
         return []
-
-    def restart(self) -> list[TeardownReport]:
-        config = self.config or EngineConfig()
-        reports = timed_stop(self)
-        timed_start(self, config)
-        self.config = config
-        return reports
 
     def running(self) -> bool:
         return self.config is not None
@@ -216,20 +184,8 @@ class EngineAdapter(ABC):
         raise NotImplementedError
 
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        """A logical metric, through this engine's name for it ('name{label=value,...}')."""
-        spec = self.metric_names.get(logical)
-        if spec is None:
-            raise NotImplementedError(f"engine {self.name} maps no metric for {logical!r}")
-        name, _, label_text = spec.partition("{")
-        for pair in filter(None, label_text.rstrip("}").split(",")):
-            key, _, value = pair.partition("=")
-            labels.setdefault(key.strip(), value.strip().strip('"'))
-        if logical in self.lazy_counters and not snapshot.has(name):
-            return 0.0  # a counter the engine creates on first use: absent means 0
-        return snapshot.value(name, None, **labels)
-
-    def metric_delta(self, logical: str, before: MetricSnapshot, after: MetricSnapshot) -> float:
-        return self.metric(logical, after) - self.metric(logical, before)
+        """A logical metric, through this engine's name for it (metric_map)."""
+        return self.metric_map.read(self.name, logical, snapshot, **labels)
 
     def healthy(self) -> bool:
         """Whether the engine answers now (after a request failed: the next check relaunches
@@ -261,6 +217,47 @@ class EngineAdapter(ABC):
     def describe_logs(self) -> dict[str, str]:
         """Log tails by process name, attached to the report on failure."""
         return {}
+
+
+def supported(adapter: EngineAdapter) -> frozenset[Capability]:
+    """What checks may require of this instance: the capabilities it declares, less those it
+    cannot offer (its unsupported())."""
+    gaps = adapter.unsupported()
+    return frozenset(c for c in adapter.capabilities if c not in gaps)
+
+
+def restart(adapter: EngineAdapter) -> list[TeardownReport]:
+    """Stop the engine and start it again in the config it ran (persistence checks)."""
+    config = adapter.config or EngineConfig()
+    reports = timed_stop(adapter)
+    timed_start(adapter, config)
+    adapter.config = config
+    return reports
+
+
+def metric_delta(
+    adapter: EngineAdapter, logical: str, before: MetricSnapshot, after: MetricSnapshot
+) -> float:
+    return adapter.metric(logical, after) - adapter.metric(logical, before)
+
+
+def ensure_attached(adapter: EngineAdapter, config: EngineConfig) -> None:
+    """ensure() in attach mode: an engine that went away cannot be relaunched, so this and
+    every later check is skipped with the reason."""
+    if adapter._lost is None and (adapter.config is None or adapter._suspect is not None):
+        try:
+            attached_server(adapter).check_reachable()
+        except UsageError as exc:
+            if adapter.config is None:
+                raise
+            adapter._lost = f"{exc} after {adapter._suspect}"
+        adapter._suspect = None
+        adapter.config = config
+    if adapter._lost is not None:
+        pytest.skip(
+            f"engine {adapter.name} went away during the session ({adapter._lost}); attach mode "
+            "cannot relaunch it, so the rest of the session is skipped"
+        )
 
 
 def timed_start(adapter: EngineAdapter, config: EngineConfig) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvconform.contract import OffloadTier
+from kvconform.contract import OffloadTier, metric_delta
 from kvconform.metrics import MetricSnapshot
 
 if TYPE_CHECKING:
@@ -34,4 +34,4 @@ class MetricOffloadTier(OffloadTier):
         return self.engine.model.block_bytes(self.engine.block_size())
 
     def failed_stores(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
-        return self.engine.metric_delta("offload_failed_stores", before, after)
+        return metric_delta(self.engine, "offload_failed_stores", before, after)

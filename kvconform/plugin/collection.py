@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform import checkids, findings
-from kvconform.contract import Capability
+from kvconform.contract import Capability, supported
 from kvconform.plugin.session import kv_session, selected_engines
 
 
@@ -120,9 +120,9 @@ class Collection:
             if name is None:
                 continue
             adapter = session.adapter(name)
-            gaps, supported = adapter.unsupported(), adapter.supported()
+            gaps, offered = adapter.unsupported(), supported(adapter)
             for marker in item.iter_markers("requires"):
-                missing = [Capability(c) for c in marker.args if Capability(c) not in supported]
+                missing = [Capability(c) for c in marker.args if Capability(c) not in offered]
                 if missing:
                     named = ", ".join(f"{c} ({gaps[c]})" if c in gaps else str(c) for c in missing)
                     item.add_marker(pytest.mark.skip(reason=f"engine {name} lacks capability {named}"))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvconform import report
-from kvconform.contract import Capability, EngineAdapter, SelfChecks, has_facet
+from kvconform.contract import Capability, EngineAdapter, SelfChecks, has_facet, supported
 from kvconform.plugin.collection import check_id, engine_of
 from kvconform.plugin.session import KvSession, kv_session, selected_engines
 from kvconform.prompts import PromptFactory
@@ -79,4 +79,4 @@ class Fixtures:
     @staticmethod
     def has(engine: EngineAdapter) -> Callable[[Capability], bool]:
         """has(Capability.X): whether the engine (in this mode) offers an optional extra."""
-        return engine.supported().__contains__
+        return supported(engine).__contains__

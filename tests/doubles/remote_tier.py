@@ -35,6 +35,7 @@ from kvconform.contract import (
     EngineConfig,
     EngineTraits,
     KvPool,
+    MetricMap,
     PersistentTier,
     RemoteStore,
     ServedPrompt,
@@ -368,15 +369,17 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
     traits = EngineTraits(recomputes_last_token=False)  # a cache store returns every stored chunk
     faults: ClassVar[dict[str, Fault]] = FAULTS
     slow_faults: ClassVar[tuple[str, ...]] = ("lost_remote_hangs_requests",)  # two requests x 31 s
-    metric_names: ClassVar[dict[str, str]] = {
-        "l2_usage_bytes": USAGE,
-        "l2_store_submitted": SUBMITTED,
-        "l2_store_completed": COMPLETED,
-        "l2_store_failed": FAILED,
-        "l2_store_submitted_requests": TASKS_SUBMITTED,
-        "l2_store_completed_requests": TASKS_COMPLETED,
-        "l1_usage_bytes": L1_USAGE,
-    }
+    metric_map = MetricMap(
+        names={
+            "l2_usage_bytes": USAGE,
+            "l2_store_submitted": SUBMITTED,
+            "l2_store_completed": COMPLETED,
+            "l2_store_failed": FAILED,
+            "l2_store_submitted_requests": TASKS_SUBMITTED,
+            "l2_store_completed_requests": TASKS_COMPLETED,
+            "l1_usage_bytes": L1_USAGE,
+        },
+    )
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)

@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, KvPool, KvRouter, ServedPrompt
+from kvconform.contract import Capability, KvPool, KvRouter, MetricMap, ServedPrompt
 from kvconform.engines.reference.faults import Fault
 from kvconform.metrics import MetricSnapshot
 from tests.doubles.base import DoubleAdapter
@@ -137,7 +137,9 @@ class RouterDouble(DoubleAdapter, KvPool, KvRouter):
         {Capability.PREFIX_CACHE, Capability.FORCED_EVICTION, Capability.ROUTER_PREDICTION}
     )
     faults: ClassVar[dict[str, Fault]] = FAULTS
-    metric_names: ClassVar[dict[str, str]] = {"active_blocks": ACTIVE_METRIC}
+    metric_map = MetricMap(
+        names={"active_blocks": ACTIVE_METRIC},
+    )
 
     def start(self, config: Any) -> None:
         super().start(config)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from kvconform.contract import (
     AdapterContext,
@@ -42,6 +42,7 @@ from kvconform.contract import (
     InstanceChurn,
     KvPool,
     LastToken,
+    MetricMap,
     ModelShape,
     ReclaimProbe,
     ServedPrompt,
@@ -103,7 +104,9 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     # common/common.h:634) and the capacity is unknown, so neither reset nor forced eviction
     # can be promised.
     # prefix_queries is not one series: see metric() (processed + cached prompt tokens).
-    metric_names: ClassVar[dict[str, str]] = {"prefix_hits": CACHED_TOKENS}
+    metric_map = MetricMap(
+        names={"prefix_hits": CACHED_TOKENS},
+    )
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)

@@ -12,7 +12,7 @@ is. What an adapter for a new engine writes, all of it here:
 - `start` (launch, wait until healthy), `stop` (teardown report: leftover processes and shm),
   `running`, `engine_pids`;
 - `serve_prompt`: prompt tokens, cached tokens, output token ids, from the engine's own answer;
-- `metrics` and `metric_names`: the suite's logical names mapped to the engine's series;
+- `metrics` and `metric_map`: the suite's logical names mapped to the engine's series;
 - `reset_prefix_cache`, where the engine has one: the CacheReset facet, which the adapter
   provides by inheriting it (kvconform/contract/facets/ has every facet).
 """
@@ -20,7 +20,6 @@ is. What an adapter for a new engine writes, all of it here:
 from __future__ import annotations
 
 import sys
-from typing import ClassVar
 
 from kvconform.contract import (
     AdapterContext,
@@ -28,6 +27,7 @@ from kvconform.contract import (
     Capability,
     EngineAdapter,
     EngineConfig,
+    MetricMap,
     ModelShape,
     ServedPrompt,
 )
@@ -54,10 +54,12 @@ class ExampleAdapter(HttpApi, EngineAdapter, CacheReset):
             C.HOST_MEMORY,
         }
     )
-    metric_names: ClassVar[dict[str, str]] = {
-        "prefix_queries": "kvref_prefix_queries_total",
-        "prefix_hits": "kvref_prefix_hits_total",
-    }
+    metric_map = MetricMap(
+        names={
+            "prefix_queries": "kvref_prefix_queries_total",
+            "prefix_hits": "kvref_prefix_hits_total",
+        },
+    )
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)

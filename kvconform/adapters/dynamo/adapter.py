@@ -31,6 +31,7 @@ from kvconform.contract import (
     KvEvents,
     KvPool,
     KvRouter,
+    MetricMap,
     ModelShape,
     OffloadTier,
     ReclaimProbe,
@@ -113,19 +114,21 @@ class DynamoAdapter(
             C.OFFLOAD_HOST_HITS,  # the mocker's native vLLM G2 host tier (--num-host-blocks), one mocker
         }
     )
-    metric_names: ClassVar[dict[str, str]] = {
-        "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
-        "prefix_hits": "dynamo_frontend_cached_tokens_sum",
-        # IntCounterVec "kv_cache_events_applied" {event_type, status} of the KV router's indexer
-        # (lib/kv-router/src/indexer/metrics.rs, 1.6.1); the runtime prefixes dynamo_component_
-        # and, being Rust's prometheus crate, adds no _total (none in 1.6.1's _core.abi3.so).
-        "router_events_applied": "dynamo_component_kv_cache_events_applied",
-        "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
-        # Each mocker's simulated KV pool, on its system port in vLLM's names (used blocks /
-        # pool blocks, set as its scheduler steps); summed over the mockers it is 0 only when
-        # no worker holds a block for a request.
-        "kv_usage": "vllm:kv_cache_usage_perc",
-    }
+    metric_map = MetricMap(
+        names={
+            "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
+            "prefix_hits": "dynamo_frontend_cached_tokens_sum",
+            # IntCounterVec "kv_cache_events_applied" {event_type, status} of the KV router's indexer
+            # (lib/kv-router/src/indexer/metrics.rs, 1.6.1); the runtime prefixes dynamo_component_
+            # and, being Rust's prometheus crate, adds no _total (none in 1.6.1's _core.abi3.so).
+            "router_events_applied": "dynamo_component_kv_cache_events_applied",
+            "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
+            # Each mocker's simulated KV pool, on its system port in vLLM's names (used blocks /
+            # pool blocks, set as its scheduler steps); summed over the mockers it is 0 only when
+            # no worker holds a block for a request.
+            "kv_usage": "vllm:kv_cache_usage_perc",
+        },
+    )
     # Read from each mocker's system port and merged into metrics() with a `mocker` label.
     worker_metric_families: ClassVar[tuple[str, ...]] = (
         "vllm:kv_cache_usage_perc",
@@ -503,7 +506,7 @@ class DynamoAdapter(
         """The router applies KV events asynchronously (eventually consistent by design): route
         once its applied-events counter has stopped moving, so a prediction is judged against
         the events of the requests before it, not against the transport's lag."""
-        name = self.metric_names["router_events_applied"]
+        name = self.metric_map.names["router_events_applied"]
         last: list[float] = []
 
         def settled() -> bool:
@@ -517,7 +520,7 @@ class DynamoAdapter(
     def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
         """KV events the router applied since `before`, by status (ok, parent_block_not_found,
         block_not_found, invalid_block, ...: lib/kv-router/src/indexer/metrics.rs)."""
-        name = self.metric_names["router_events_applied"]
+        name = self.metric_map.names["router_events_applied"]
         if not after.has(name):
             raise EngineError(
                 self.name, f"metric {name} is absent from the frontend's /metrics after routed requests"

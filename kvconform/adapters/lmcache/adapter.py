@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from kvconform import envs
 from kvconform.adapters.lmcache.coordinator_index import LmcacheCoordinatorIndex
@@ -32,6 +32,7 @@ from kvconform.contract import (
     InstanceChurn,
     KvEvents,
     KvPool,
+    MetricMap,
     ModelShape,
     PersistentTier,
     ReclaimProbe,
@@ -116,33 +117,35 @@ class LmcacheAdapter(
             C.RADIX_INDEX,  # its MP coordinator's key directory (`lmcache coordinator`)
         }
     )
-    metric_names: ClassVar[dict[str, str]] = {
-        "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
-        "prefix_hits": "lmcache_mp_lookup_hit_tokens_total",
-        "lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
-        "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",
-        "l1_usage_bytes": "lmcache_mp_l1_memory_usage_bytes",
-        "l1_usage_ratio": "lmcache_mp_l1_usage_ratio",
-        "l2_usage_bytes": "lmcache_mp_l2_usage_bytes",
-        "l2_store_submitted": "lmcache_mp_l2_store_submitted_objects_chunks_total",
-        "l2_store_completed": "lmcache_mp_l2_store_completed_objects_chunks_total",
-        # per store task, failed ones included (storage_controllers/store_controller.py
-        # _finalize_store publishes L2_STORE_COMPLETED either way); the object counter above
-        # counts successful chunks only (mp_observability/subscribers/metrics/l2.py)
-        "l2_store_submitted_requests": "lmcache_mp_l2_store_submitted_requests_total",
-        "l2_store_completed_requests": "lmcache_mp_l2_store_completed_requests_total",
-    }
-    lazy_counters: ClassVar[frozenset[str]] = frozenset(
-        {
-            "prefix_queries",
-            "prefix_hits",
-            "lookup_requested_tokens",
-            "lookup_hit_tokens",
-            "l2_store_submitted",
-            "l2_store_completed",
-            "l2_store_submitted_requests",
-            "l2_store_completed_requests",
-        }
+    metric_map = MetricMap(
+        names={
+            "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
+            "prefix_hits": "lmcache_mp_lookup_hit_tokens_total",
+            "lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
+            "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",
+            "l1_usage_bytes": "lmcache_mp_l1_memory_usage_bytes",
+            "l1_usage_ratio": "lmcache_mp_l1_usage_ratio",
+            "l2_usage_bytes": "lmcache_mp_l2_usage_bytes",
+            "l2_store_submitted": "lmcache_mp_l2_store_submitted_objects_chunks_total",
+            "l2_store_completed": "lmcache_mp_l2_store_completed_objects_chunks_total",
+            # per store task, failed ones included (storage_controllers/store_controller.py
+            # _finalize_store publishes L2_STORE_COMPLETED either way); the object counter above
+            # counts successful chunks only (mp_observability/subscribers/metrics/l2.py)
+            "l2_store_submitted_requests": "lmcache_mp_l2_store_submitted_requests_total",
+            "l2_store_completed_requests": "lmcache_mp_l2_store_completed_requests_total",
+        },
+        lazy=frozenset(
+            {
+                "prefix_queries",
+                "prefix_hits",
+                "lookup_requested_tokens",
+                "lookup_hit_tokens",
+                "l2_store_submitted",
+                "l2_store_completed",
+                "l2_store_submitted_requests",
+                "l2_store_completed_requests",
+            }
+        ),
     )
     health_path = "/healthcheck"
 

@@ -43,7 +43,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import requests
 
@@ -56,6 +56,7 @@ from kvconform.contract import (
     EngineTraits,
     InstanceChurn,
     KvPool,
+    MetricMap,
     ModelShape,
     PersistentTier,
     ReclaimProbe,
@@ -148,11 +149,13 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
     releases_cached_prefix = True  # a running request's own KV lives in the batch generator
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
     # "unregister" path, an instance released from an engine that keeps running.
-    metric_names: ClassVar[dict[str, str]] = {
-        "prefix_queries": "omlx_total_prompt_tokens",
-        "prefix_hits": "omlx_total_cached_tokens",
-        "disk_usage_bytes": "omlx_runtime_cache_total_size_bytes",
-    }
+    metric_map = MetricMap(
+        names={
+            "prefix_queries": "omlx_total_prompt_tokens",
+            "prefix_hits": "omlx_total_cached_tokens",
+            "disk_usage_bytes": "omlx_runtime_cache_total_size_bytes",
+        },
+    )
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()

@@ -58,7 +58,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import requests
 
@@ -73,6 +73,7 @@ from kvconform.contract import (
     EngineTraits,
     InstanceChurn,
     KvPool,
+    MetricMap,
     ModelShape,
     ReclaimProbe,
     SaltedPrompts,
@@ -173,7 +174,10 @@ class SglangServerAdapter(
     default_block_size = SERVER_PAGE_SIZE
     model: ModelShape = MODEL
     capabilities = SERVER_CAPABILITIES
-    metric_names: ClassVar[dict[str, str]] = SERVER_METRICS
+    metric_map = MetricMap(
+        names=SERVER_METRICS,
+        lazy=frozenset({"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}),
+    )
     # TokenizerManager.create_abort_task sleeps 2 s before aborting a disconnected request
     # (sglang/srt/managers/tokenizer_manager.py:2427, 0.5.23). sglang:token_usage is set per
     # batch report; idle, the scheduler republishes it only when the running-requests gauge
@@ -182,9 +186,6 @@ class SglangServerAdapter(
     # first decode report leaves its prefill-time usage up for that long (measured on a loaded
     # 2-core runner: 0.02 after 10 s idle).
     traits = EngineTraits(abort_delay_s=2.0, idle_gauge_refresh_s=30.0)
-    lazy_counters: ClassVar[frozenset[str]] = frozenset(
-        {"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}
-    )
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()

@@ -66,6 +66,7 @@ from kvconform.contract import (
     EngineConfig,
     KvEvents,
     KvPool,
+    MetricMap,
     ServedPrompt,
     apply_launch_profile,
 )
@@ -465,8 +466,8 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
         return f"TensorRT-LLM {version}"
 
     @property  # per instance: the release decides
-    def metric_names(self) -> dict[str, str]:  # type: ignore[override]
-        return dict(self.release().metric_names)
+    def metric_map(self) -> MetricMap:  # type: ignore[override]
+        return MetricMap(dict(self.release().metric_names))
 
     def unsupported(self) -> dict[Capability, str]:
         """Besides attach mode's: capabilities the class offers that this instance's release

@@ -22,6 +22,7 @@ from kvconform.contract import (
     EngineTraits,
     InstanceChurn,
     KvPool,
+    MetricMap,
     ModelShape,
     OffloadTier,
     PersistentTier,
@@ -31,6 +32,7 @@ from kvconform.contract import (
     SaltedPrompts,
     ServedPrompt,
     apply_launch_profile,
+    metric_delta,
     provides,
 )
 from kvconform.contract.types import LaunchProfile
@@ -153,26 +155,27 @@ class VllmAdapter(
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
     # read_usage = max(usage - write_usage, 0.0)
     traits = EngineTraits(read_gauge_is_usage_minus_write=True)
-    metric_names: ClassVar[dict[str, str]] = {
-        "prefix_queries": "vllm:prefix_cache_queries_total",
-        "prefix_hits": "vllm:prefix_cache_hits_total",
-        "kv_usage": "vllm:kv_cache_usage_perc",
-        "preemptions": "vllm:num_preemptions_total",
-        "offload_usage": "vllm:kv_offload_cpu_cache_usage_perc",
-        "offload_write_usage": "vllm:kv_offload_cpu_cache_write_usage_perc",
-        "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
-        "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
-        "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
-        # chunks the manager allocated for stores (prepare_store); see host_store_failures()
-        "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
-        "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
-        "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
-        # cascades that reached the fs tier, blocks x chunk bytes (TieringMetricsTracker.
-        # _observe_finished_job_stats); labelled "<index among secondary tiers + 1>:<type>"
-        "l2_written_bytes": "vllm:kv_offload_tiering_write_bytes_total{tier=1:fs}",
-    }
-    # created with its tier label on the first cascade that completes
-    lazy_counters: ClassVar[frozenset[str]] = frozenset({"l2_written_bytes"})
+    metric_map = MetricMap(
+        names={
+            "prefix_queries": "vllm:prefix_cache_queries_total",
+            "prefix_hits": "vllm:prefix_cache_hits_total",
+            "kv_usage": "vllm:kv_cache_usage_perc",
+            "preemptions": "vllm:num_preemptions_total",
+            "offload_usage": "vllm:kv_offload_cpu_cache_usage_perc",
+            "offload_write_usage": "vllm:kv_offload_cpu_cache_write_usage_perc",
+            "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
+            "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
+            "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
+            # chunks the manager allocated for stores (prepare_store); see host_store_failures()
+            "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
+            "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
+            "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
+            # cascades that reached the fs tier, blocks x chunk bytes (TieringMetricsTracker.
+            # _observe_finished_job_stats); labelled "<index among secondary tiers + 1>:<type>"
+            "l2_written_bytes": "vllm:kv_offload_tiering_write_bytes_total{tier=1:fs}",
+        },
+        lazy=frozenset({"l2_written_bytes"}),  # created with its tier label by the first cascade
+    )
     # A reset asks vLLM to reset the connector's cache too (`reset_external=true`): the offload
     # tier is vLLM's own and stays, a connector's store is the prefix cache of the stack.
     reset_external: ClassVar[bool] = False
@@ -597,8 +600,8 @@ class VllmAdapter(
         """Blocks whose store failed. vLLM exports no failed-store counter, so: blocks the
         manager allocated for stores (vLLM's allocation-size histogram sum) minus blocks whose
         bytes the connector counted as stored (store bytes / host block bytes)."""
-        prepared = self.metric_delta("offload_store_chunks_prepared", before, after)
-        stored = self.metric_delta("offload_store_bytes", before, after) / self.model.block_bytes(
+        prepared = metric_delta(self, "offload_store_chunks_prepared", before, after)
+        stored = metric_delta(self, "offload_store_bytes", before, after) / self.model.block_bytes(
             self.block_size()
         )
         return prepared - stored

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from kvconform import envs
 from kvconform.adapters.vllm.adapter import VllmAdapter
-from kvconform.contract import AdapterContext, Capability, EngineConfig, ModelShape, SecondRelease
+from kvconform.contract import AdapterContext, Capability, EngineConfig, ModelShape, SecondRelease, restart
 from kvconform.errors import EngineError
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.restart_churn import RestartChurn
@@ -276,7 +276,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         and returns)."""
         self.serve_prompt(tokens)
         before = set(self.registered_instances())
-        self.restart()
+        restart(self)
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         gone = before - set(self.registered_instances())
         while not gone and time.monotonic() < deadline:

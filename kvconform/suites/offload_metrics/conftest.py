@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, KvPool, OffloadTier, ServedPrompt
+from kvconform.contract import (
+    CacheReset,
+    EngineAdapter,
+    EngineConfig,
+    KvPool,
+    OffloadTier,
+    ServedPrompt,
+    supported,
+)
 from kvconform.contract import Capability as C
 from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import prefix_hit_tokens
@@ -53,7 +61,7 @@ def drive(
 def drop_from_device(engine: EngineAdapter, prompts: PromptFactory) -> None:
     """The engine's own reset where it has one; else LRU eviction by fresh prompts of twice the
     device pool (as the eviction check fills it), which the host tier must hold beside them."""
-    if C.RESET_PREFIX_CACHE in engine.supported():
+    if C.RESET_PREFIX_CACHE in supported(engine):
         engine.facet(CacheReset).reset_prefix_cache()
         return
     block = engine.block_size()

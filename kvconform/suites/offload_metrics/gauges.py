@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, supported
 from kvconform.metrics import only_names
 from kvconform.sampling import PeriodicSampler
 
@@ -29,13 +29,13 @@ class GaugeSampler(PeriodicSampler):
         super().__init__(interval_s)
         self.engine = engine
         self.samples: list[GaugeSample] = []
-        self.counter_names = [c for c in COUNTERS if c in engine.metric_names]
+        self.counter_names = [c for c in COUNTERS if c in engine.metric_map]
         # an engine without offload gauges (only its host hits judged) is sampled for counters
-        self.gauges = C.OFFLOAD_GAUGES in engine.supported()
+        self.gauges = C.OFFLOAD_GAUGES in supported(engine)
         self.scraped = [
-            engine.metric_names[m]
+            engine.metric_map.names[m]
             for m in (*(GAUGES if self.gauges else ()), *self.counter_names)
-            if m in engine.metric_names
+            if m in engine.metric_map
         ]
 
     def sample(self) -> None:

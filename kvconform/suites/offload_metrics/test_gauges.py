@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier
+from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier, metric_delta, supported
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
@@ -130,8 +130,8 @@ def test_offload_byte_counters_match_blocks(
 ) -> None:
     """Stored/loaded bytes = blocks moved x block bytes, block bytes from the model shape."""
     block_bytes = engine.facet(OffloadTier).block_bytes()
-    stored = engine.metric_delta("offload_store_bytes", offload_run.before, offload_run.after)
-    loaded = engine.metric_delta("offload_load_bytes", offload_run.before, offload_run.after)
+    stored = metric_delta(engine, "offload_store_bytes", offload_run.before, offload_run.after)
+    loaded = metric_delta(engine, "offload_load_bytes", offload_run.before, offload_run.after)
     expected_loaded_blocks = offload_run.expected_host_hit_tokens // offload_run.block_size
     verdict.record("block_bytes_from_model_shape", block_bytes, "bytes")
     verdict.equal(
@@ -167,17 +167,17 @@ def test_offloaded_prefix_returns_as_host_hit(
         expected,
         "tokens",
         note="every full block comes back from the host tier (dropped from the device by "
-        + ("its reset)" if C.RESET_PREFIX_CACHE in engine.supported() else "LRU eviction)"),
+        + ("its reset)" if C.RESET_PREFIX_CACHE in supported(engine) else "LRU eviction)"),
     )
-    if "cached_by_source_host" in engine.metric_names:
-        host = engine.metric_delta("cached_by_source_host", offload_run.before, offload_run.after)
+    if "cached_by_source_host" in engine.metric_map:
+        host = metric_delta(engine, "cached_by_source_host", offload_run.before, offload_run.after)
         verdict.equal("host_source_counter_delta", host, expected, "tokens")
     else:
         verdict.record(
             "host_source_counter_delta", "no host-source counter", note=f"engine {engine.name} has none"
         )
-    if "external_prefix_hits" in engine.metric_names:
-        external = engine.metric_delta("external_prefix_hits", offload_run.before, offload_run.after)
+    if "external_prefix_hits" in engine.metric_map:
+        external = metric_delta(engine, "external_prefix_hits", offload_run.before, offload_run.after)
         verdict.equal("external_prefix_hits_delta", external, expected, "tokens")
     verdict.conclude()
 

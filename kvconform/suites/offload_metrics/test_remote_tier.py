@@ -21,6 +21,8 @@ from kvconform.contract import (
     PersistentTier,
     RemoteStore,
     ServedPrompt,
+    metric_delta,
+    restart,
     seconds_until_steady,
 )
 from kvconform.errors import EngineError
@@ -72,14 +74,14 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     )
     verdict.equal(
         "l2_store_completed_delta",
-        engine.metric_delta("l2_store_completed", before, after),
+        metric_delta(engine, "l2_store_completed", before, after),
         chunks,
         "objects",
     )
     verdict.equal("l2_usage_bytes", engine.metric("l2_usage_bytes", after), held, "bytes")
     overhead = [engine.facet(RemoteStore).memory_usage(k) - n for k, n in entries.items()]
     verdict.record("remote_memory_overhead_per_object", max(overhead, default=0), "bytes")
-    engine.restart()
+    restart(engine)
     restarted = engine.metrics()
     verdict.equal(
         "l2_usage_bytes_after_restart",
@@ -210,7 +212,7 @@ def pending_objects(engine: EngineAdapter) -> float:
     (store_controller.py:780-790), so there this is pending *or failed*."""
     snap = engine.metrics()
     pending = engine.metric("l2_store_submitted", snap) - engine.metric("l2_store_completed", snap)
-    if "l2_store_failed" in engine.metric_names:
+    if "l2_store_failed" in engine.metric_map:
         pending -= engine.metric("l2_store_failed", snap)
     return pending
 
@@ -240,7 +242,7 @@ def test_remote_store_counters_track_pending_writes(
     block = engine.block_size()
     chunk_bytes = engine.facet(PersistentTier).block_bytes()
     chunks = 8
-    names = engine.metric_names
+    names = engine.metric_map
     l1_before = engine.metric("l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
 
     engine.facet(RemoteStore).pause_writes(PAUSE_S)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, PersistentTier
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, PersistentTier, metric_delta
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
@@ -29,7 +29,7 @@ def test_tiered_store_metrics_consistent(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
     engine.ensure(EngineConfig(persistent=True))
-    names = engine.metric_names
+    names = engine.metric_map
     judged = [name for name in L2_ACCOUNTING if name in names]
     if not judged:
         pytest.fail(f"{engine.name} declares {C.TIERED_STORE_METRICS} but maps none of {L2_ACCOUNTING}")
@@ -75,7 +75,7 @@ def test_tiered_store_metrics_consistent(
         )
         verdict.equal(
             "l2_stores_completed",
-            engine.metric_delta("l2_store_completed", before, after),
+            metric_delta(engine, "l2_store_completed", before, after),
             full_blocks,
             "objects",
             note=f"{len(batch)} fresh prompts' full blocks, each stored once",
@@ -83,7 +83,7 @@ def test_tiered_store_metrics_consistent(
     if "l2_usage_bytes" in names:
         verdict.equal(
             "l2_usage_bytes_delta",
-            engine.metric_delta("l2_usage_bytes", before, after),
+            metric_delta(engine, "l2_usage_bytes", before, after),
             disk_delta,
             "bytes",
             note="gauge movement vs the tier's net change in bytes",
@@ -97,15 +97,15 @@ def test_tiered_store_metrics_consistent(
     if "l2_written_bytes" in names:
         verdict.equal(
             "l2_written_bytes_delta",
-            engine.metric_delta("l2_written_bytes", before, after),
+            metric_delta(engine, "l2_written_bytes", before, after),
             appeared,
             "bytes",
             note="counter movement vs the bytes of the entries that appeared (fresh blocks "
             "only: a store of a block already on disk may count without writing)",
         )
     if "lookup_requested_tokens" in names:
-        requested = engine.metric_delta("lookup_requested_tokens", before, after)
-        hits = engine.metric_delta("lookup_hit_tokens", before, after)
+        requested = metric_delta(engine, "lookup_requested_tokens", before, after)
+        hits = metric_delta(engine, "lookup_hit_tokens", before, after)
         verdict.record("lookup_requested_tokens_delta", requested, "tokens")
         verdict.equal(
             "lookup_hit_tokens_delta",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, metric_delta
 from kvconform.contract.adapter import attached_server
 from kvconform.metrics import MetricSnapshot
 
@@ -28,9 +28,9 @@ def wait_counted(
     deadline = time.monotonic() + timeout_s
     while True:
         after = engine.metrics()
-        queried = engine.metric_delta("prefix_queries", before, after)
+        queried = metric_delta(engine, "prefix_queries", before, after)
         if queried >= queried_tokens or time.monotonic() > deadline:
-            return queried, engine.metric_delta("prefix_hits", before, after)
+            return queried, metric_delta(engine, "prefix_hits", before, after)
         time.sleep(0.1)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig
+from kvconform.contract import EngineAdapter, EngineConfig, restart
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.announced import stored_while
@@ -33,7 +33,7 @@ def test_block_hashes_stable_across_restart(
     prompt = prompts.fresh(4 * block + block // 2)
     whole_blocks = len(prompt) // block
     first = _stored_by_prompt(engine, prompt)
-    reports = engine.restart()
+    reports = restart(engine)
     # What a restart leaves behind is the churn checks' promise (memory_reclaim), judged there.
     verdict.record(
         "teardown_leftovers", sum(not r.clean for r in reports), note="; ".join(r.describe() for r in reports)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.contract import CacheEvent, EngineAdapter, IndexBlock, IndexEvent, RadixCacheModel, RouterIndex
+from kvconform.contract import (
+    CacheEvent,
+    EngineAdapter,
+    IndexBlock,
+    IndexEvent,
+    RadixCacheModel,
+    RouterIndex,
+    supported,
+)
 from kvconform.contract import Capability as C
 from kvconform.results import Verdict
 
@@ -22,7 +30,7 @@ U64 = (1 << 64) - 1
 @pytest.fixture
 def index_engine(other_engines: list[EngineAdapter]) -> EngineAdapter:
     for other in other_engines:
-        if C.RADIX_INDEX in other.supported():
+        if C.RADIX_INDEX in supported(other):
             return other
     pytest.skip("no engine with capability radix_index selected in this session (select one with --engine)")
 

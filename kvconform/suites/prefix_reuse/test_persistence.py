@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier
+from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, restart
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -32,7 +32,7 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
     prompt = prompts.fresh(8 * block + block // 3)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
     engine.facet(PersistentTier).flush()
-    reports = engine.restart()
+    reports = restart(engine)
     verdict.expect(
         "teardown_leftovers",
         sum(not r.clean for r in reports),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, RemoteStore
+from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, RemoteStore, restart
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -68,7 +68,7 @@ def test_remote_damaged_entry_recomputed(
     )
     verdict.equal("intact_prefix_output_identical", int(after.output == intact_cold.output), 1)
     engine.facet(PersistentTier).flush()
-    engine.restart()  # what the session after the damaged read left in the store
+    restart(engine)  # what the session after the damaged read left in the store
     again = engine.serve_prompt(intact)
     verdict.record("intact_prefix_hits_next_session", again.cached_tokens, "tokens")
     verdict.equal(

@@ -103,7 +103,7 @@ def test_router_prediction_matches_worker(
             "router_events_applied_ok", applied.get("ok", 0.0), ">=", 1, "events", note=str(applied)
         )
         verdict.equal("router_events_not_applied_ok", sum(failed.values()), 0, "events", note=str(failed))
-    if "active_blocks" in engine.metric_names:
+    if "active_blocks" in engine.metric_map:
         drained = poll_until(lambda: engine.metric("active_blocks", engine.metrics()) == 0, timeout_s=10.0)
         verdict.equal(
             "active_blocks_after_requests",

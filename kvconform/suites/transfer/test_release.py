@@ -232,7 +232,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
             )
     if has(C.TRANSFER_ACCOUNTING) and (transfer := engine.facet(KvTransfer)).aborts:
         transfer.transfer(prompts.fresh(4 * block + 1), transfer.layouts[0], 1, 1, abort_after_pages=3)
-    if "kv_usage" in engine.metric_names:
+    if "kv_usage" in engine.metric_map:
         t0 = time.monotonic()
         deadline = t0 + IDLE_BOUND_S + engine.traits.idle_gauge_refresh_s
         usage = engine.metric("kv_usage", engine.metrics())
@@ -261,7 +261,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         if not refused:
             verdict.require(
                 "release_measures",
-                int(in_flight is not None) + int("kv_usage" in engine.metric_names),
+                int(in_flight is not None) + int("kv_usage" in engine.metric_map),
                 ">=",
                 1,
                 note="a live request count or a KV usage gauge; the engine has no KV events",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.adapters.omlx.adapter import BLOCK_SIZE, OmlxAdapter, token_ids, words
-from kvconform.contract import AdapterContext
+from kvconform.contract import AdapterContext, metric_delta, supported
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
@@ -56,8 +56,8 @@ def test_capabilities_attach_vs_launch(tmp_path: Path) -> None:
         C.INSTANCE_CHURN,
         C.INSTANCE_REGISTRY,
     }
-    assert launch_only <= launched.supported()
-    assert attached.supported() == frozenset(
+    assert launch_only <= supported(launched)
+    assert supported(attached) == frozenset(
         {C.PREFIX_CACHE, C.PREFIX_HIT_COUNTERS, C.ANSWERS_FROM_KV, C.RESET_PREFIX_CACHE, C.ABORT_REQUESTS}
     )
     assert C.KV_EVENTS not in launched.capabilities  # oMLX publishes no KV events
@@ -69,8 +69,8 @@ def test_metrics_read_session_scope_only(omlx: OmlxAdapter, fake_omlx: FakeOmlx)
     omlx.serve_prompt(list(range(10, 42)))
     omlx.serve_prompt(list(range(10, 42)))
     after = omlx.metrics()
-    assert omlx.metric_delta("prefix_queries", before, after) == 64
-    assert omlx.metric_delta("prefix_hits", before, after) == 31  # exact hit, trimmed by one
+    assert metric_delta(omlx, "prefix_queries", before, after) == 64
+    assert metric_delta(omlx, "prefix_hits", before, after) == 31  # exact hit, trimmed by one
     fake_omlx.restart()  # a new server life: session counters start over, all-time go on
     fresh = omlx.metrics()
     assert omlx.metric("prefix_queries", fresh) == 0

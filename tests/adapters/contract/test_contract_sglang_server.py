@@ -22,7 +22,7 @@ import pytest
 import kvconform.adapters.sglang_server.adapter as server_module
 from kvconform.adapters.sglang.adapter import INPROCESS_CAPABILITIES, SglangAdapter
 from kvconform.adapters.sglang_server.adapter import STUB_DIRS, SglangServerAdapter
-from kvconform.contract import AdapterContext, EngineConfig, RadixCacheModel
+from kvconform.contract import AdapterContext, EngineConfig, RadixCacheModel, metric_delta, supported
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
@@ -158,11 +158,11 @@ def test_sglang_metrics_map_to_logical_counters(sglang: SglangServerAdapter) -> 
     sglang.serve_prompt(prompt)
     sglang.stream_and_disconnect(list(range(2000, 2040)), after_chunks=1)
     after = sglang.metrics()
-    assert sglang.metric_delta("prefix_queries", before, after) == 240  # both is_streaming series
-    assert sglang.metric_delta("prefix_hits", before, after) == 96
-    assert sglang.metric_delta("prefix_hits_host", before, after) == 0
+    assert metric_delta(sglang, "prefix_queries", before, after) == 240  # both is_streaming series
+    assert metric_delta(sglang, "prefix_hits", before, after) == 96
+    assert metric_delta(sglang, "prefix_hits_host", before, after) == 0
     assert sglang.metric("kv_usage", after) == 0.0
-    assert sglang.metric_delta("requests", before, after) == 3
+    assert metric_delta(sglang, "requests", before, after) == 3
 
 
 def test_eviction_counter_moves_past_capacity(sglang: SglangServerAdapter) -> None:
@@ -170,7 +170,7 @@ def test_eviction_counter_moves_past_capacity(sglang: SglangServerAdapter) -> No
     for i in range(10):  # 10 x 512 tokens through a 4096-token pool
         sglang.serve_prompt([10 + (i * 512 + t) % 3000 for t in range(512)])
     after = sglang.metrics()
-    assert sglang.metric_delta("evicted_tokens", before, after) == 10 * 512 - 4096
+    assert metric_delta(sglang, "evicted_tokens", before, after) == 10 * 512 - 4096
 
 
 # ---- capabilities ---------------------------------------------------------------------------
@@ -178,11 +178,11 @@ def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     inprocess = SglangAdapter(AdapterContext(workdir=tmp_path))
     attached = SglangServerAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
     assert not issubclass(SglangServerAdapter, SglangAdapter)  # two adapters, not one branching
-    assert inprocess.supported() == INPROCESS_CAPABILITIES
-    assert attached.supported() == ATTACHED  # only what works over HTTP
+    assert supported(inprocess) == INPROCESS_CAPABILITIES
+    assert supported(attached) == ATTACHED  # only what works over HTTP
     launched = SglangServerAdapter(AdapterContext(workdir=tmp_path))
     assert launched.env_spec == "sglang-server"
-    caps = launched.supported()
+    caps = supported(launched)
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
     with pytest.raises(NotImplementedError, match="engine sglang-server provides no RadixCacheModel facet"):

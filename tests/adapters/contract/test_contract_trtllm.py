@@ -22,7 +22,7 @@ from kvconform.adapters.trtllm.adapter import (
     parse_kv_event,
     release_line,
 )
-from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import AdapterContext, EngineConfig, metric_delta, supported
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.metrics import parse_prometheus
@@ -74,7 +74,7 @@ def test_serve_prompt_sends_token_ids_and_reads_cached_tokens(trtllm: TrtllmAdap
 
 def test_capabilities_per_release_and_mode(tmp_path: Path, fake_trtllm) -> None:
     attached = attach(fake_trtllm, tmp_path)
-    caps = attached.supported()
+    caps = supported(attached)
     assert {C.BLOCK_POOL_STATS, C.KV_EVENTS, C.PREFIX_CACHE} <= caps
     assert C.RESTART not in caps and C.HOST_MEMORY not in caps
     assert C.RESET_PREFIX_CACHE not in attached.capabilities  # no reset endpoint in trtllm-serve
@@ -90,10 +90,10 @@ def test_capabilities_per_release_and_mode(tmp_path: Path, fake_trtllm) -> None:
 def test_launch_mode_release_is_the_env_spec_pin(tmp_path: Path) -> None:
     launched = TrtllmAdapter(AdapterContext(workdir=tmp_path))
     assert launched.target_version() == "1.2.1"  # envs/trtllm.toml: tensorrt-llm==1.2.1
-    caps = launched.supported()
+    caps = supported(launched)
     assert {C.RESTART, C.HOST_MEMORY, C.BLOCK_POOL_STATS, C.KV_EVENTS} <= caps
     assert C.PREFIX_HIT_COUNTERS not in caps
-    assert launched.metric_names == {}
+    assert launched.metric_map.names == {}
 
 
 def test_unknown_version_reads_as_the_oldest_line(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_unknown_version_reads_as_the_oldest_line(tmp_path: Path) -> None:
     adapter = attach(fake, tmp_path)
     try:
         assert adapter.release() is RELEASE_12
-        assert C.PREFIX_HIT_COUNTERS not in adapter.supported()
+        assert C.PREFIX_HIT_COUNTERS not in supported(adapter)
         assert "not a known release: read as 1.2" in adapter.unsupported()[C.PREFIX_HIT_COUNTERS]
     finally:
         adapter.close()
@@ -265,14 +265,14 @@ def test_prometheus_counters_per_release(trtllm: TrtllmAdapter, fake_trtllm) -> 
     after = trtllm.metrics()
     assert after.value("request_success_total") == 2  # both releases: the request metrics
     if fake_trtllm.v13:
-        assert trtllm.metric_delta("prefix_queries", before, after) == 80
-        assert trtllm.metric_delta("prefix_hits", before, after) == 32
+        assert metric_delta(trtllm, "prefix_queries", before, after) == 80
+        assert metric_delta(trtllm, "prefix_hits", before, after) == 32
         assert trtllm.metric("blocks_total", after) == 256
     else:
         with pytest.raises(
             NotImplementedError, match=r"TensorRT-LLM 1\.2\.1 exports no trtllm_prompt_tokens_total"
         ):
-            trtllm.metric_delta("prefix_queries", before, after)
+            metric_delta(trtllm, "prefix_queries", before, after)
 
 
 def test_adapter_reads_only_names_its_release_serves(trtllm: TrtllmAdapter, fake_trtllm) -> None:
@@ -282,12 +282,12 @@ def test_adapter_reads_only_names_its_release_serves(trtllm: TrtllmAdapter, fake
     trtllm.serve_prompt(list(range(500, 540)))
     text = fake_trtllm._prometheus({}, None, {})[1]
     served = set(parse_prometheus(text).names())
-    mapped = set(trtllm.metric_names.values())
+    mapped = set(trtllm.metric_map.names.values())
     assert mapped <= served
     if not fake_trtllm.v13:
         assert mapped == set() and not any(n.startswith("trtllm_") for n in served)
     snapshot = trtllm.metrics()
-    for logical in set(METRIC_SINCE) - set(trtllm.metric_names):
+    for logical in set(METRIC_SINCE) - set(trtllm.metric_map.names):
         with pytest.raises(NotImplementedError, match=rf"TensorRT-LLM {fake_trtllm.release} exports no "):
             trtllm.metric(logical, snapshot)
     rows = trtllm.iteration_stats()

@@ -15,7 +15,7 @@ import pytest
 from kvconform import envs
 from kvconform.adapters.lmcache import redis_server
 from kvconform.adapters.lmcache.redis_server import RedisServer, RespClient, RespError
-from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import AdapterContext, EngineConfig, restart
 from kvconform.errors import UsageError
 
 pytestmark = pytest.mark.engine_env  # parses/runs in built engine environments (tests/system/engine_envs.py)
@@ -74,7 +74,7 @@ def test_lmcache_resp_tier_survives_restart_and_stops_clean(tmp_path: Path) -> N
         entries = adapter.remote_tier().entries()
         assert sorted(entries.values()) == [adapter.persistent_tier().block_bytes()] * 2
         redis_pid = adapter.redis.process.pid if adapter.redis else 0
-        adapter.restart()
+        restart(adapter)
         assert adapter.redis is not None and adapter.redis.process.pid == redis_pid  # Redis kept
         warm = adapter.serve_prompt(prompt)
         assert (warm.cached_tokens, warm.output) == (512, [1])  # from Redis, bytes checked
