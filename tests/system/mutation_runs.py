@@ -42,7 +42,7 @@ FULL = os.environ.get("KVCONFORM_MATRIX") == "full"
 # suite and two doubles, so fault injection and the reading of records stay tested.
 SMOKE: dict[str, tuple[str, ...]] = {
     "reference": (
-        "usage_ignores_last_token",
+        "full_prompt_matched",
         "double_unregister_crashes",
         "release_guard_asserts",
         "tiered_usage_stale",

@@ -510,7 +510,9 @@ class ReferenceAdapter(
         answer = self.http.post(
             f"{receiver}/v1/completions", json={"prompt": tokens, "max_tokens": max_tokens}, timeout=30
         ).json()["choices"][0]["token_ids"]
-        return ServedPrompt(int(received.json()["prompt_tokens"]), int(result["cached"]), list(answer))
+        # usage as the answer's side reports it (a frontend returns the decode instance's)
+        record = received.json()
+        return ServedPrompt(int(record["prompt_tokens"]), int(record["cached_tokens"]), list(answer))
 
     def release_twice(self, tokens: list[int]) -> ReleaseTwice:
         return ReleaseTwice.from_json(self.post_json("/admin/release_twice", {"prompt": tokens}))

@@ -159,10 +159,16 @@ class ReferenceEngine:
         bs = self.s.block_size
         with self.lock:
             req = Request(tokens)
-            hashes = chain_hashes(tokens, bs, self.hash_seed)
             # what a block's KV is computed from: its tokens, never the seed its hash carries
-            content = chain_hashes(tokens, bs) if self.hash_seed else hashes
+            content = chain_hashes(tokens, bs)
+            hashes = content
+            if "block_hash_ignores_tokens" in self.faults:
+                hashes = chain_hashes([0] * len(tokens), bs, self.hash_seed)  # position only
+            elif self.hash_seed:
+                hashes = chain_hashes(tokens, bs, self.hash_seed)
             matchable = (len(tokens) - 1) // bs  # the last prompt token is always computed
+            if "full_prompt_matched" in self.faults:
+                matchable = len(tokens) // bs
             sources: Counter[str] = Counter()
             hashes_for_match = hashes
             if "granularity_loss" in self.faults and not all(
@@ -235,13 +241,7 @@ class ReferenceEngine:
             if "session_turn_leak" in self.faults and fresh:
                 self.session_copies.append(self.pool.kv[fresh].clone())  # this turn's new KV
             self._flush_events()
-            reported = hits
-            if "usage_cached_from_lookup" in self.faults:
-                reported = matchable * bs  # the tokens looked up, hit or not
-            whole_hit = hits == matchable * bs < len(hashes) * bs and hashes[matchable] in self.pool.index
-            if "usage_ignores_last_token" in self.faults and whole_hit:
-                reported += bs  # the recomputed last block counted as a hit
-            return req, {"cached": reported, **{k: v for k, v in sources.items() if v}}
+            return req, {"cached": hits, **{k: v for k, v in sources.items() if v}}
 
     def _record_iteration(self, reused: int, missed: int) -> None:
         """Pool stats as a scheduler iteration would report them, while the request holds
@@ -386,10 +386,10 @@ class ReferenceEngine:
             loops = -(-len(kv_indices) // chunk_tokens)
             starts = starts[: loops * PAGES_PER_CHUNK]
         pages: list[int] = []
-        for slot in starts:
+        for index, slot in enumerate(starts):
             page = slot // page_size
-            if "page_index_shifted" in self.faults:
-                page += 1
+            if "virtual_page_indices" in self.faults:
+                page = index  # the request's own numbering, not the pool's
             pages.append(page)
         return pages
 
@@ -418,9 +418,12 @@ class ReferenceEngine:
         state: bool = False,
         page_size: int = 1,
         prompt_tokens: int = 0,
+        prefill_cached: int = 0,
     ) -> None:
-        """The decode side's own accounting of a hand-off: bytes it received, and the prompt
-        tokens it will serve (what the prefill side announced)."""
+        """The decode side's own accounting of a hand-off: bytes it received, the prompt
+        tokens it will serve (what the prefill side announced) and the cached tokens its answer
+        reports (what the prefill side reused: the decode side keeps received pages apart from
+        its own cache)."""
         with self.lock:
             entry = self.received.setdefault(
                 transfer_id,
@@ -433,6 +436,7 @@ class ReferenceEngine:
             if not state:
                 entry["pages"][replica] = entry["pages"].get(replica, 0) + 1
             entry["prompt_tokens"] = prompt_tokens
+            entry["cached_tokens"] = 0 if "decode_usage_reports_own_cache" in self.faults else prefill_cached
             if "disagg_prompt_tokens_from_pages" in self.faults:
                 entry["prompt_tokens"] = max(entry["pages"].values(), default=0) * page_size
             self.counters.transfer_bytes_received += counted

@@ -89,6 +89,7 @@ FAULTS: dict[str, Fault] = {
         (
             "prefix_reuse::test_repeated_prompt_served_from_cache",
             "prefix_reuse::test_reset_drops_cached_prefix",
+            "prefix_reuse::test_partial_block_prefix_hits_match_oracle*",
             "transfer::test_disaggregated_serving_reports_prefix_reuse",
         ),
         "vLLM #7845 and #5543 (same greedy prompt, different completions with prefix caching), "
@@ -96,6 +97,7 @@ FAULTS: dict[str, Fault] = {
         (
             "prefix_reuse::test_repeated_prompt_served_from_cache:answer_from_cache_vs_cold",
             "prefix_reuse::test_reset_drops_cached_prefix:answer_from_cache_vs_after_reset",
+            "prefix_reuse::test_partial_block_prefix_hits_match_oracle*:answer_from_cache_vs_after_reset",
             "transfer::test_disaggregated_serving_reports_prefix_reuse:decode_answer_vs_prefill_side",
         ),
     ),
@@ -339,10 +341,13 @@ FAULTS: dict[str, Fault] = {
         "byte counters fed from the transport layer instead of the KV layout",
         ("bytes_sent",),
     ),
-    "disagg_cached_tokens_lost": Fault(
-        "requests served through prefill -> decode report 0 cached tokens, whatever the prefill reused",
+    "decode_usage_reports_own_cache": Fault(
+        "the answer's usage is the decode side's: it counts the tokens the decode instance found "
+        "in its own cache (none: it was handed the prefill's KV), not what the prefill reused",
         ("transfer::test_disaggregated_serving_reports_prefix_reuse",),
-        "Dynamo 1.6.1 disaggregated mode: usage.cached_tokens always 0",
+        "Dynamo 1.6.1 with its mocker backend: disaggregated responses carry the decode worker's "
+        "own cached tokens (0), not the prefill's reuse (our limitation finding on dynamo, "
+        "repeated_request_cached_tokens)",
         ("repeated_request_cached_tokens",),
     ),
     "page_indices_truncated": Fault(
@@ -353,12 +358,12 @@ FAULTS: dict[str, Fault] = {
         "64 pages per iteration, so page_size 32 lost half the indices",
         ("page_count",),
     ),
-    "page_index_shifted": Fault(
-        "every page index is one past the page its KV slots are in",
+    "virtual_page_indices": Fault(
+        "the page list numbers the request's own pages (0, 1, 2 ...) instead of the pool pages "
+        "its KV slots are in",
         ("transfer::test_page_indices_match_oracle*",),
-        "no engine bug of exactly this shape is cited: the wrong-pages outcome of SGLang #31471 "
-        "(virtual KV indices sent as physical ones) at its simplest (was page_index_off_by_one, "
-        "which cited the #31173 refactor, whose output was identical)",
+        "SGLang #31471: virtual KV indices sent as physical ones, so the receiver reads other "
+        "pages than the sender wrote",
         ("pages_differing_from_oracle",),
     ),
     "double_release_on_abort": Fault(
@@ -400,25 +405,24 @@ FAULTS: dict[str, Fault] = {
             "resident_blocks_ledger_vs_engine_after_fill",
         ),
     ),
-    "usage_cached_from_lookup": Fault(
-        "the response's cached_tokens holds the tokens looked up in the prefix cache (every full "
-        "block but the last-token one), hit or not",
+    "block_hash_ignores_tokens": Fault(
+        "a block's cache key covers its position, not its tokens: a fresh prompt of the same "
+        "length as a cached one is served that one's KV",
         (
             "prefix_reuse::test_repeated_prompt_served_from_cache",
             "transfer::test_disaggregated_serving_reports_prefix_reuse",
         ),
-        "per-request usage filled from the lookup's query count instead of its hit count (the "
-        "queries/hits pair of vLLM's PrefixCacheStats, read from the wrong field): a cold prompt "
-        "reports phantom hits",
+        "GHSA-rm76-4mrf-v9r8 / vllm-project/vllm#12621: predictable block-hash collisions serve "
+        "one prompt another's KV (our vllm mutant block_hash_ignores_tokens)",
         ("first_request_cached_tokens",),
     ),
-    "usage_ignores_last_token": Fault(
-        "the response counts the prompt's last full block as cached although the last-token rule "
-        "recomputed it",
+    "full_prompt_matched": Fault(
+        "a block-aligned repeat is matched in full: the last-token rule is not applied, so no "
+        "prompt token is left to compute",
         ("prefix_reuse::test_repeated_prompt_served_from_cache",),
-        "the usage-side twin of hit_counter_drift (a router's prediction counts that block, "
-        "by design: it predicts cached blocks, not served tokens)",
-        ("cached_tokens_in_response",),
+        "SGLang Req._compute_max_prefix_len (at most input length - 1) and ml-explore/mlx-lm#1596: "
+        "the cap a full hit needs (our sglang mutant full_prompt_matched)",
+        ("cached_tokens_in_response", "prefix_hits_counter_delta"),
     ),
     "queries_counted_on_hit_only": Fault(
         "a lookup that finds nothing in the device cache is not counted as a query",
@@ -453,26 +457,12 @@ FAULTS: dict[str, Fault] = {
         "cacheHitRate beside cumulative reusedBlocks/missedBlocks)",
         ("iterations_hit_rate_not_reused_over_lookups",),
     ),
-    "offload_gauges_unset": Fault(
-        "the offload usage gauges are registered but never set: they read 0 while transfers run",
-        ("offload_metrics::test_gauges_consistent_under_load",),
-        "metrics registered on one path and updated on another that never runs (a connector "
-        "whose stats are not wired to the logger)",
-        ("samples_with_transfers_in_flight",),
-    ),
     "trailing_block_not_persisted": Fault(
         "a request's last full block is never written to the persistent tier",
         ("offload_metrics::test_tiered_store_metrics_consistent",),
         "vllm-project/vllm#52735: the trailing chunk kept out of offload stores for good, a "
         "permanent hole in the stored prefix",
         ("disk_bytes_delta", "l2_stores_completed"),
-    ),
-    "l2_store_counters_unwired": Fault(
-        "the persistent tier's store counters are registered but never incremented",
-        ("offload_metrics::test_tiered_store_metrics_consistent",),
-        "LMCache's L2 counters live in an observability subscriber: not subscribed, they stay 0 "
-        "while stores land",
-        ("l2_stores_completed",),
     ),
     "copy_stored_once_removed_each": Fault(
         "a hash cached in two physical blocks (the last block of a repeated block-aligned prompt, "

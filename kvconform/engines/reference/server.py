@@ -111,8 +111,6 @@ class EngineCollector:
         yield _counter("kvref_kv_released_twice", "second releases of one request", c.released_twice)
         if e.host is not None:
             usage, write, read = host_gauges
-            if "offload_gauges_unset" in e.faults:
-                usage = write = read = 0.0  # registered, never set
             yield _gauge("kvref_offload_usage_perc", "host chunks pinned by transfers", usage)
             yield _gauge("kvref_offload_write_usage_perc", "host chunks pinned by stores", write)
             yield _gauge("kvref_offload_read_usage_perc", "host chunks pinned by loads", read)
@@ -135,11 +133,8 @@ class EngineCollector:
         if e.disk is not None:
             yield _gauge("kvref_disk_usage_bytes", "bytes in the disk tier", e.disk.usage_bytes())
             yield _gauge("kvref_disk_entries", "entries in the disk index", len(e.disk.index))
-            unwired = "l2_store_counters_unwired" in e.faults  # registered, never incremented
-            submitted = 0 if unwired else e.disk.stores_submitted
-            completed = 0 if unwired else e.disk.stores_completed
-            yield _counter("kvref_disk_store_submitted", "disk stores submitted", submitted)
-            yield _counter("kvref_disk_store_completed", "disk stores completed", completed)
+            yield _counter("kvref_disk_store_submitted", "disk stores submitted", e.disk.stores_submitted)
+            yield _counter("kvref_disk_store_completed", "disk stores completed", e.disk.stores_completed)
             yield _counter(
                 "kvref_disk_corrupt", "corrupt/truncated entries detected", e.disk.corrupt_detected
             )
@@ -233,6 +228,7 @@ class Handler(BaseHTTPRequestHandler):
                         "replicas": sorted(entry["replicas"]),
                         "digest": entry["digest"],
                         "prompt_tokens": entry["prompt_tokens"],
+                        "cached_tokens": entry["cached_tokens"],
                     },
                 )
         else:
@@ -419,6 +415,7 @@ class Handler(BaseHTTPRequestHandler):
                     "x-kind": kind,
                     "x-page-size": str(page_size),
                     "x-prompt-tokens": str(len(body["prompt"])),
+                    "x-prefill-cached": str(sources["cached"]),
                 },
             )
             sent += len(part)
@@ -443,7 +440,7 @@ class Handler(BaseHTTPRequestHandler):
                 "bytes_counted": counted,
                 "pages_sent": sent_pages,
                 "aborted": aborted,
-                "cached": 0 if "disagg_cached_tokens_lost" in e.faults else sources["cached"],
+                "cached": sources["cached"],
             },
         )
 
@@ -482,6 +479,7 @@ class Handler(BaseHTTPRequestHandler):
             state=h.get("x-kind") == "state",
             page_size=int(h.get("x-page-size", 1)),
             prompt_tokens=int(h.get("x-prompt-tokens", 0)),
+            prefill_cached=int(h.get("x-prefill-cached", 0)),
         )
         self._send(200, {"ok": True})
 

@@ -82,12 +82,12 @@ def test_gauges_consistent_under_load(
     not_derived = [s for s in samples if abs(s.read - max(s.usage - s.write, 0.0)) > EPS]
     verdict.record("samples", len(samples))
     verdict.require("sample_rate", offload_run.sampler.rate_hz(), ">=", MIN_RATE_HZ, "Hz")
-    verdict.expect(
+    verdict.require(
         "samples_with_transfers_in_flight",
         sum(s.usage > 0 for s in samples),
         ">=",
         1,
-        note="the scenario must move the gauges, or nothing was checked",
+        note="the scenario must move the gauges, or the samples below judge nothing",
     )
     verdict.equal("samples_out_of_[0,1]", len(out_of_range), 0, note=_first(out_of_range))
     verdict.equal("samples_write_above_usage", len(write_over), 0, note=_first(write_over))
@@ -206,6 +206,14 @@ def test_failed_store_releases_pending_write(
     failed = engine.facet(OffloadTier).failed_stores(before, after)
     idle = [s for s in sampler.samples if s.t >= ended]
     verdict.require("stores_failed", failed, ">=", 1, note="the failure path must really have run")
+    # Not required: a failed store may end within one sampling interval (vLLM 0.32.0: no sample
+    # at 40 Hz saw one pending, 18 failed stores, 2026-12-06). What shows the gauge can read a pending
+    # write here is a store whose failure leaks it (failed_store_write_leaked: 0 -> 0.07).
+    verdict.record(
+        "samples_with_write_pending",
+        sum(s.write > EPS for s in sampler.samples if s.t < ended),
+        note="samples that saw a failing store's pending write (not judged)",
+    )
     verdict.equal(
         "write_gauge_after_failures",
         idle[-1].write if idle else -1.0,

@@ -90,6 +90,10 @@ def test_page_indices_match_oracle(
     """Page indices = the pages the request's KV slots touch, in order (SGLang #31173)."""
     transfer = _transfer(engine, None, page_size)
     engine.ensure(EngineConfig())
+    # Another request's KV first, so this one's does not start at the pool's first page: there
+    # the request's own page numbers and the pool's coincide (SGLang #31471 sent the first for
+    # the second).
+    transfer.transfer(prompts.fresh(2 * 16 + 7), transfer.layouts[0], page_size, 1)
     tokens = prompts.fresh(2 * 16 + 7)
     result = transfer.transfer(tokens, transfer.layouts[0], page_size, 1)
     expected = page_indices(result.kv_indices, page_size)

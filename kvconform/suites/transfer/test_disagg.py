@@ -26,6 +26,9 @@ def test_disaggregated_serving_reports_prefix_reuse(
 ) -> None:
     engine.ensure(EngineConfig(disaggregated=True))
     block = engine.block_size()
+    # Another prompt of the same shape first: a block key that does not cover the block's tokens
+    # (colliding hashes, GHSA-rm76-4mrf-v9r8's class) serves its KV to the fresh prompt.
+    engine.facet(DisaggregatedServing).serve_disaggregated(prompts.fresh(4 * block + 5))
     prompt = prompts.fresh(4 * block + 5)
     first = engine.facet(DisaggregatedServing).serve_disaggregated(prompt, answer_tokens(has))
     second = engine.facet(DisaggregatedServing).serve_disaggregated(prompt)
