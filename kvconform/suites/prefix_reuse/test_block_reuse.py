@@ -137,7 +137,7 @@ def test_partial_block_prefix_hits_match_oracle(
     second = prompts.extend(prefix, 2 * shared)
     engine.serve_prompt(first)
     before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
-    result = engine.serve_prompt(second)
+    result = engine.serve_prompt(second, answer_tokens(has))
     expected = oracle(engine, shared, len(second), block=block_size)  # the requested size
     expect_block_size(engine, verdict, block_size)
     verdict.record("block_size", block_size, "tokens")
@@ -158,4 +158,9 @@ def test_partial_block_prefix_hits_match_oracle(
         queried, hits = wait_counted(engine, before, queried_tokens(engine, len(second)))
         verdict.equal("prefix_queries_counter_delta", queried, queried_tokens(engine, len(second)), "tokens")
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
+    if has(C.ANSWERS_FROM_KV) and has(C.RESET_PREFIX_CACHE):
+        # the part-block hit's answer against the same prompt computed in full
+        engine.facet(CacheReset).reset_prefix_cache()
+        cold = engine.serve_prompt(second, answer_tokens(has))
+        judge_same_answer(verdict, "answer_from_cache_vs_after_reset", result, cold, has)
     verdict.conclude()
