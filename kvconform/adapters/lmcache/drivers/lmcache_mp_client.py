@@ -566,9 +566,12 @@ def _lookup_hit_chunks(client: Any, key: Any, poll_timeout_s: float) -> tuple[in
         if hit is not None:
             return int(hit), (time.monotonic() - t0) * 1000
         if time.monotonic() > deadline:
+            tokens = getattr(key, "token_ids", ())
             raise TimeoutError(
-                f"LMCache lookup of request {key.request_id} (model {getattr(key, 'model_name', '?')}) "
-                f"had no prefetch status after {poll_timeout_s:.1f} s: the server did not answer it"
+                f"LMCache lookup of request {key.request_id} (model {getattr(key, 'model_name', '?')}, "
+                f"tokens {getattr(key, 'start', '?')}..{getattr(key, 'end', '?')} of {len(tokens)}, "
+                f"first ids {list(tokens[:8])}) had no prefetch status after {poll_timeout_s:.1f} s: "
+                "the server did not answer it"
             )
         time.sleep(0.01)
 
