@@ -99,7 +99,7 @@ mutants: envs
 # order so the two LMCache stacks do not overlap; any failure fails the target (xargs exits 123).
 SMOKE_MUTANTS ?= vllm:eviction_unannounced lmcache:fs_l2_listeners_unfired sglang-server:eviction_unannounced \
   sglang:transfer_bytes_ignore_fanout omlx:exact_hit_state_at_n lmcache-redis:l2_restore_on_access \
-  vllm-obj:obj_key_per_process
+  vllm-obj:obj_key_per_process vllm-lmcache:cache_salt_not_hashed dynamo:gpu_blocks_override_dropped
 mutants-smoke: venv
 	printf '%s\n' $(SMOKE_MUTANTS) | xargs -P 2 -n 1 sh -c 'e=$${0%%:*}; \
 	  exec $(BIN)/kvconform mutants --engine $$e --mutant $${0#*:} --clean-from $(RESULTS)/engines \
