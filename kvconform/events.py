@@ -90,9 +90,12 @@ class EventLedger:
     """Thread-safe append-only history; `judge()` is a pure function of it (plus what the
     transport noted: undecodable batches, batches out of the engine's order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_seq: int = 0) -> None:
+        """`first_seq`: the number the publisher gives its first batch or record (0 for vLLM's,
+        SGLang's and Dynamo's publishers; LMCache's records start at 1)."""
         self._events: list[KvEvent] = []
         self._lock = threading.Lock()
+        self.first_seq = first_seq
         self.undecodable: dict[int, str] = {}  # seq -> why it failed to decode
         self.disorder: list[Violation] = []  # seq_regress seen on arrival
 
@@ -141,11 +144,12 @@ class EventLedger:
             )
         verdict = judge(history)
         verdict.violations.extend(disorder)
-        first_seq = min((e.seq for e in history), default=0)
-        if first_seq > 0:  # publishers number an instance's batches from 0 (one ledger per instance)
+        first_seq = min((e.seq for e in history), default=self.first_seq)
+        if first_seq > self.first_seq:  # one ledger per publisher instance, from its first number
+            missing = first_seq - self.first_seq
             verdict.violations.append(
                 Violation(
-                    "seq_gap", first_seq, detail=f"start -> {first_seq}: {first_seq} missing at the start"
+                    "seq_gap", first_seq, detail=f"start -> {first_seq}: {missing} missing at the start"
                 )
             )
         if since:

@@ -252,3 +252,15 @@ def test_streams_are_numbered_and_judged_apart() -> None:
     assert ledger.judge(since=ledger.mark() - 1).counts() == {"seq_gap": 1}
     with pytest.raises(TypeError):
         ledger.extend([stored(9, "z")])
+
+
+def test_a_publisher_numbering_from_one_starts_whole_at_one() -> None:
+    """LMCache numbers its records from 1: its first record is no gap, a lost one still is."""
+    whole = EventLedger(first_seq=1)
+    whole.extend([stored(1, "a"), stored(2, "b")])
+    assert whole.judge().counts() == {}
+    lost = EventLedger(first_seq=1)
+    lost.extend([stored(2, "a"), stored(3, "b")])
+    verdict = lost.judge()
+    assert verdict.counts() == {"seq_gap": 1}
+    assert "start -> 2: 1 missing at the start" in str(verdict.violations[0])

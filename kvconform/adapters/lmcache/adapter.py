@@ -414,9 +414,11 @@ class LmcacheAdapter(
 
     # ---- KV events: the server's own sequenced records (modules/kv_events.py) -------------
     def _subscribe_events(self) -> None:
-        """A fresh ledger per server process: its records are numbered from its start."""
+        """A fresh ledger per server process: its records are numbered from its start, from 1
+        (multiprocess/modules/kv_events.py: _kv_event_next_seq = 1; a subscription from cursor
+        0 replays every record after it)."""
         assert self.client is not None
-        self.ledger = EventLedger()
+        self.ledger = EventLedger(first_seq=1)
         self.client.call("subscribe_events", instance_id=SERVING_INSTANCE)
 
     def drain_events(self) -> int:
