@@ -3,6 +3,7 @@
     [[mutant]]
     name = "eviction_unannounced"            # unique per engine
     engines = ["vllm"]                       # optional: default every engine served by the package
+    beside = ["dynamo"]                      # optional: engines its checks need beside it (unpatched)
     bug = "what the mutant re-creates, from the engine's history, cited (issue/PR, file:function)"
     [[mutant.patch]]
     module = "vllm.v1.core.block_pool"       # a module of the engine's own code
@@ -68,6 +69,9 @@ class Mutant:
     patches: tuple[Patch, ...]
     violates: tuple[Expectation, ...]
     source: Path
+    # Engines its checks need beside it (a cross-stack check's router index), run unpatched in
+    # the same sessions, clean and mutated.
+    beside: tuple[str, ...] = ()
 
     def checks(self) -> list[str]:
         return list(dict.fromkeys(e.check for e in self.violates))
@@ -134,7 +138,8 @@ def _borrowed(raw: dict, engine: str, path: Path) -> Mutant:
         raise UsageError(f"{where}: a mutant `from` another engine takes its patches and bug from there")
     source = find(raw["from"], raw.get("name", ""))
     bug = f"{source.bug}\n(The mutant of {raw['from']}, {source.source.parent.name}/{CATALOG_NAME}.)"
-    return Mutant(source.name, engine, bug, source.patches, _violates(raw, where), path)
+    beside = tuple(raw.get("beside", source.beside))
+    return Mutant(source.name, engine, bug, source.patches, _violates(raw, where), path, beside)
 
 
 def _violates(raw: dict, where: str) -> tuple[Expectation, ...]:
@@ -158,4 +163,5 @@ def _parse(raw: dict, engine: str, path: Path) -> Mutant:
         if not all(item.get(k) for k in ("module", "old")) or "new" not in item:
             raise UsageError(f"{where}: a patch needs module, old and new")
         patches.append(Patch(item["module"], item["old"], item["new"], int(item.get("count", 1))))
-    return Mutant(raw["name"], engine, raw["bug"], tuple(patches), _violates(raw, where), path)
+    beside = tuple(raw.get("beside", ()))
+    return Mutant(raw["name"], engine, raw["bug"], tuple(patches), _violates(raw, where), path, beside)

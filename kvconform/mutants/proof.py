@@ -61,13 +61,21 @@ class EngineProof:
 
 
 def run_session(
-    engine: str, checks: list[str], results: Path, mutant: str | None, timeout_s: float, reuse: bool = False
+    engine: str,
+    checks: list[str],
+    results: Path,
+    mutant: str | None,
+    timeout_s: float,
+    reuse: bool = False,
+    beside: tuple[str, ...] = (),
 ) -> Run:
-    """One pytest session of `checks` on `engine`; its results.json (session + records).
-    `reuse`: a session already recorded in `results` stands (a table rewritten from earlier runs)."""
+    """One pytest session of `checks` on `engine` (and the engines `beside` it, unpatched);
+    its results.json (session + `engine`'s records). `reuse`: a session already recorded in
+    `results` stands (a table rewritten from earlier runs)."""
     if reuse and (results / "results.json").exists():
-        return read(results)
+        return engine_run(results, engine)
     argv = [sys.executable, "-m", "pytest", str(SUITES), "--engine", engine, "--results-dir", str(results)]
+    argv += [arg for other in beside for arg in ("--engine", other)]
     argv += [arg for check in checks for arg in ("--check", check)]
     argv += ["-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
     if mutant:
@@ -76,7 +84,7 @@ def run_session(
     with open(results / "pytest.log", "w") as log:
         if run_child_session(argv, log, timeout_s=timeout_s) is None:
             log.write(f"\nkvconform mutants: session timed out after {timeout_s:.0f} s\n")
-    return read(results) if (results / "results.json").exists() else Run(results, {}, ())
+    return engine_run(results, engine) if (results / "results.json").exists() else Run(results, {}, ())
 
 
 def records_for(run: Run, pattern: str) -> list[CheckResult]:
@@ -152,10 +160,28 @@ def prove_engine(
         proof.version = str(clean.session.get("engines", {}).get(engine, "unknown"))
         runs.append(clean)
         for mutant in mutants:
+            beside_clean = clean
+            if mutant.beside:  # its own clean session, with the same engines beside it
+                beside_clean = run_session(
+                    engine,
+                    mutant.checks(),
+                    work / engine / f"clean-{mutant.name}",
+                    None,
+                    timeout_s,
+                    reuse,
+                    mutant.beside,
+                )
+                runs.append(beside_clean)
             mutated = run_session(
-                engine, mutant.checks(), work / engine / mutant.name, mutant.name, timeout_s, reuse
+                engine,
+                mutant.checks(),
+                work / engine / mutant.name,
+                mutant.name,
+                timeout_s,
+                reuse,
+                mutant.beside,
             )
-            proof.outcomes += judge_mutant(engine, mutant, clean, mutated)
+            proof.outcomes += judge_mutant(engine, mutant, beside_clean, mutated)
     for run in runs:
         for record in run.records:
             for name, measure in record.judged.items():

@@ -113,8 +113,9 @@ def add_options(parser: pytest.Parser) -> None:
         "--mutant",
         default=None,
         metavar="NAME",
-        help="run the engine with one of its mutants (its adapter's mutants.toml) patched into its "
-        "own code; one engine only. `kvconform mutants` runs them all with the clean engine",
+        help="run the first --engine with one of its mutants (its adapter's mutants.toml) patched "
+        "into its own code; other engines run beside it (a cross-stack check's index) and load none "
+        "of its modules. `kvconform mutants` runs them all with the clean engine",
     )
     parser.addini("kvconform_results_dir", "where check records are written", default="results")
     parser.addini(

@@ -215,3 +215,32 @@ def test_reasons_are_rewritten_from_the_catalog_without_a_session(
     (proof,) = load(out.with_suffix(".json"))
     assert proof.written == "2026-12-02 at commit abc" and proof.measures == {"s::test_x :: m": []}
     assert runner.rewrite_reasons(tmp_path / "none.md") == 1
+
+
+def test_a_mutant_runs_with_the_engines_its_checks_need_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cross-stack check needs a router index beside the patched engine: both sessions, clean
+    and mutated, start it, and only the patched engine's records are judged."""
+    from kvconform.mutants import proof
+
+    shipped = catalog.find("sglang", "removal_namespaced_apart")
+    assert shipped.beside == ("dynamo",)
+    argvs: list[list[str]] = []
+
+    def fake_child(argv: list[str], _log: object, timeout_s: float) -> int:
+        argvs.append(argv)
+        results = Path(argv[argv.index("--results-dir") + 1])
+        records = [
+            {"check": "suite::test_x", "engine": engine, "outcome": "passed", "measures": []}
+            for engine in ("sglang", "dynamo")
+        ]
+        (results / "results.json").write_text(json.dumps({"session": {}, "records": records}))
+        return 0
+
+    monkeypatch.setattr(proof, "run_child_session", fake_child)
+    run = proof.run_session("sglang", ["suite::test_x"], tmp_path / "s", "m", 60, beside=("dynamo",))
+    argv = argvs[0]
+    assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "--engine"] == ["sglang", "dynamo"]
+    assert argv[argv.index("--mutant") + 1] == "m"
+    assert [r.engine for r in run.records] == ["sglang"]
