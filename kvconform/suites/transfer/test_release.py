@@ -27,7 +27,7 @@ from kvconform.contract import (
 )
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError
-from kvconform.events import LedgerVerdict
+from kvconform.events import LedgerVerdict, judge
 from kvconform.metrics import MetricSnapshot
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -158,12 +158,12 @@ def test_event_ledger_consistent(
     engine.serve_prompt(aligned)
     after_fill = None
     if has(C.FORCED_EVICTION):
-        fill_mark = ledger_mark(engine)
-        before = engine.metrics() if "evicted_tokens" in engine.metric_map else None
+        # where the engine counts its evictions: the fill's events from here, its counter from here
+        start = (ledger_mark(engine), engine.metrics()) if "evicted_tokens" in engine.metric_map else None
         fill_cache(engine, prompts, factor=1.5)
         after_fill = resident_after_fill(engine, mark)
-        if before is not None:
-            compare_evicted(engine, verdict, fill_mark, before)
+        if start is not None:
+            compare_evicted(engine, verdict, *start)
     if has(C.RESET_PREFIX_CACHE):
         engine.facet(CacheReset).reset_prefix_cache()
         engine.serve_prompt(prompts.extend(system, 7 * block))
@@ -177,7 +177,7 @@ def compare_evicted(engine: EngineAdapter, verdict: Verdict, fill_mark: int, bef
     """The removals the fill's events announced against the engine's own count of the tokens
     it evicted: evictions it counts but does not announce leave a router's index stale."""
     evicted = metric_delta(engine, "evicted_tokens", before, engine.metrics())
-    removed = engine.ledger.judge(since=fill_mark).removed
+    removed = judge(engine.ledger.since(fill_mark)).removed  # the fill's events alone
     verdict.require("tokens_evicted_by_fill", evicted, ">", 0, "tokens", note="the fill must force evictions")
     verdict.equal(
         "removed_tokens_vs_engine_evicted",
