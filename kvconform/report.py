@@ -92,7 +92,7 @@ def attach_failure_context(item: pytest.Item, adapter: EngineAdapter | None) -> 
     if adapter is None:
         return
     try:
-        logs = adapter.describe_logs()
+        logs = adapter.logs()
     except Exception as exc:  # context is best effort; the failure itself is already reported
         logs = {"adapter": f"could not read logs: {exc}"}
     for name, tail in logs.items():

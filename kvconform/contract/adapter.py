@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import cache
 from typing import Any, ClassVar, TypeVar
 
@@ -25,10 +25,10 @@ from kvconform.contract.capabilities import NEEDS_LAUNCH, Capability
 from kvconform.contract.facets import AttachedServer
 from kvconform.contract.types import (
     AdapterContext,
+    Deployment,
     EngineConfig,
     EngineTraits,
     LaunchProfile,
-    ModelShape,
     ServedPrompt,
 )
 from kvconform.errors import UsageError
@@ -69,12 +69,9 @@ def facet_makers(cls: type) -> dict[type, str]:
 class EngineAdapter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
-    # The granularity of prefix reuse, in tokens; 1 for an engine that reuses any common prefix
-    # token by token (no blocks). A launch profile may set an instance's own.
-    default_block_size: int = 16
+    deployment: Deployment = Deployment()  # what the oracles compute from (a profile may set it)
     traits: ClassVar[EngineTraits] = EngineTraits()  # where oracles and waits follow the engine's design
     metric_map: ClassVar[MetricMap] = MetricMap()  # the suite's logical metrics, in this engine's names
-    model: ModelShape = ModelShape()  # a launch profile may set an instance's own
 
     def __init__(self, ctx: AdapterContext) -> None:
         self.ctx = ctx
@@ -91,33 +88,29 @@ class EngineAdapter(ABC):
     @property
     def version(self) -> str:
         """The release judged (an engine in an environment of its own: kit.engine_env.EngineEnv)."""
-        return attached_server(self).attached_version() if self.attached else "unknown"
+        return attached_server(self).attached_version() if self.ctx.attached else "unknown"
 
     def preflight(self) -> None:
         """Fail fast, with one line, on what would make every check of this engine fail."""
-        if self.attached:
+        if self.ctx.attached:
             attached_server(self).check_reachable()
-
-    @property
-    def attached(self) -> bool:
-        return self.ctx.url is not None
 
     def unsupported(self) -> dict[Capability, str]:
         """What this instance cannot offer, each with why (the skip reason quotes it): the one
         place an adapter narrows `capabilities` for a mode or a release, or says why its engine
         lacks a capability it never declares. Attached, whatever needs a launched engine."""
-        if not self.attached:
+        if not self.ctx.attached:
             return {}
         why = "attached: needs an engine the suite launched"
         return {capability: why for capability in self.capabilities & NEEDS_LAUNCH}
 
     def block_size(self) -> int:
-        if self.attached:
+        if self.ctx.attached:
             reported = attached_server(self).attached_block_size()
-            return self.default_block_size if reported is None else reported
+            return self.deployment.block_size if reported is None else reported
         if self.config is not None and self.config.block_size is not None:
             return self.config.block_size
-        return self.default_block_size
+        return self.deployment.block_size
 
     def resolved_block_size(self) -> int | None:
         """The block size the running engine says it uses (None: it cannot say). Judged against
@@ -133,9 +126,9 @@ class EngineAdapter(ABC):
         says so (`take_notes`). Attach mode: an engine that went away cannot be relaunched, so
         this and every later check is skipped with the reason."""
         config = config or EngineConfig()
-        if config.block_size == self.default_block_size:
+        if config.block_size == self.deployment.block_size:
             config = config.with_(block_size=None)  # the same server as the default config
-        if self.attached:
+        if self.ctx.attached:
             ensure_attached(self, config)
             return
         lost = None
@@ -166,7 +159,7 @@ class EngineAdapter(ABC):
         return self.config is not None
 
     def close(self) -> None:
-        if not self.attached:
+        if not self.ctx.attached:
             timed_stop(self)
 
     # ---- requests -----------------------------------------------------------------------
@@ -211,12 +204,18 @@ class EngineAdapter(ABC):
         """Every live process of the engine (its whole tree)."""
         raise NotImplementedError
 
-    def log_tail(self, lines: int = 40) -> str:
-        return ""
-
-    def describe_logs(self) -> dict[str, str]:
-        """Log tails by process name, attached to the report on failure."""
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        """The last `lines` of each of the engine's logs, by process name, its main process
+        first (attached to the report on failure; `log_tail` joins them for an error)."""
         return {}
+
+
+def log_tail(adapter: EngineAdapter, lines: int = 40) -> str:
+    """The engine's logs in one text, for an error's message: each process's last `lines`."""
+    tails = {name: tail for name, tail in adapter.logs(lines).items() if tail}
+    if len(tails) == 1:
+        return next(iter(tails.values()))
+    return "\n".join(f"--- {name} ---\n{tail}" for name, tail in tails.items())
 
 
 def supported(adapter: EngineAdapter) -> frozenset[Capability]:
@@ -285,9 +284,9 @@ def apply_launch_profile(adapter: EngineAdapter, *engines: str) -> LaunchProfile
     if profile.engine not in (None, adapter.name, *engines):
         raise UsageError(f"launch profile {profile.name} is for {profile.engine}, not {adapter.name}")
     if profile.model_shape is not None:
-        adapter.model = profile.model_shape
+        adapter.deployment = replace(adapter.deployment, model=profile.model_shape)
     if profile.block_size is not None:
-        adapter.default_block_size = profile.block_size
+        adapter.deployment = replace(adapter.deployment, block_size=profile.block_size)
     return profile
 
 

@@ -43,6 +43,17 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class Deployment:
+    """What the oracles compute from: the model's KV shape, and the block size the engine runs
+    at unless a check asks for another. A launch profile may set an instance's own."""
+
+    # The granularity of prefix reuse, in tokens; 1 for an engine that reuses any common prefix
+    # token by token (no blocks).
+    block_size: int = 16
+    model: ModelShape = field(default_factory=ModelShape)
+
+
+@dataclass(frozen=True)
 class EngineTraits:
     """How an engine behaves by its own design, where an oracle or a wait must follow it. An
     adapter sets only what differs from the default, and cites where the engine does so."""
@@ -282,3 +293,8 @@ class AdapterContext:
     options: dict[str, Any] = field(default_factory=dict)
     # --engine-profile: the deployment to launch (None: the adapter's default CPU setup).
     profile: LaunchProfile | None = None
+
+    @property
+    def attached(self) -> bool:
+        """Attach mode: the suite judges an engine someone else runs at `url`."""
+        return self.url is not None

@@ -32,7 +32,7 @@ class EngineEnv(_Base):
 
     @property
     def version(self) -> str:
-        if self.attached or self.env_spec is None:
+        if self.ctx.attached or self.env_spec is None:
             return super().version
         try:
             return self.env().version
@@ -41,5 +41,5 @@ class EngineEnv(_Base):
 
     def preflight(self) -> None:
         super().preflight()
-        if not self.attached and self.env_spec is not None:
+        if not self.ctx.attached and self.env_spec is not None:
             self.env()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import requests
 
 from kvconform import timing
+from kvconform.contract.adapter import log_tail
 from kvconform.contract.facets import AttachedServer, StreamAborts
 from kvconform.contract.types import ServedPrompt
 from kvconform.errors import EngineError, UsageError
@@ -79,14 +80,14 @@ class HttpApi(_Base):
             )
         except requests.RequestException as exc:
             self._suspect = f"{what} failed: {type(exc).__name__}"
-            raise EngineError(self.name, f"{what} failed: {exc}", self.log_tail()) from None
+            raise EngineError(self.name, f"{what} failed: {exc}", log_tail(self)) from None
         if resp.status_code >= 500:
             # a server error may be the engine dying (vLLM answers 500 while its EngineCore shuts
             # down, its API server still up): the next ensure() asks its health first
             self._suspect = f"{what} -> HTTP {resp.status_code}"
         if resp.status_code >= 400:
             raise EngineError(
-                self.name, f"{what} -> HTTP {resp.status_code}: {resp.text[:300]}", self.log_tail()
+                self.name, f"{what} -> HTTP {resp.status_code}: {resp.text[:300]}", log_tail(self)
             )
         return resp
 

@@ -31,7 +31,7 @@ class MetricOffloadTier(OffloadTier):
             time.sleep(0.1)
 
     def block_bytes(self) -> int:
-        return self.engine.model.block_bytes(self.engine.block_size())
+        return self.engine.deployment.model.block_bytes(self.engine.block_size())
 
     def failed_stores(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
         return metric_delta(self.engine, "offload_failed_stores", before, after)

@@ -156,5 +156,5 @@ class Ordering:
     @pytest.hookimpl(trylast=True)  # after pytest grouped the items by engine (a session param)
     def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
         kv = kv_session(config)
-        sizes = {name: kv.adapter(name).default_block_size for name in selected_engines(config)}
+        sizes = {name: kv.adapter(name).deployment.block_size for name in selected_engines(config)}
         items[:] = order_by_configuration(items, sizes)

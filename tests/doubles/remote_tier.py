@@ -434,7 +434,7 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
             self.dead = True
             raise EngineError(self.name, "connection refused (the engine exited)")
         self._release_held()
-        per_token = self.model.kv_bytes_per_token()
+        per_token = self.deployment.model.kv_bytes_per_token()
         chunks = chunk_keys(tokens, self.block_size(), self.fault == "partial_chunk_saved")
         remote_ok = True
         if self.fault == "lost_remote_hangs_requests" and not self.store.up:
@@ -644,7 +644,7 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
 
     @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
-        return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()))
+        return StoreTier(self.remote_tier(), self.deployment.model.block_bytes(self.block_size()))
 
 
 _DESYNC = frozenset({"truncated_value_desyncs_connection", "desynced_reads_served_and_rewritten"})
@@ -674,7 +674,7 @@ class DoubleStore(RemoteStore):
         self.d._up().data[key] = bytes(data)
 
     def capacity_bytes(self) -> int:
-        return CAPACITY_CHUNKS * self.d.model.block_bytes(self.d.block_size())
+        return CAPACITY_CHUNKS * self.d.deployment.model.block_bytes(self.d.block_size())
 
     def wipe(self) -> None:
         self.d.stop()

@@ -104,7 +104,9 @@ def test_vllm_argv_from_profile(tmp_path: Path):
         assert expected in joined
     assert plain[-2:] == ["--max-num-seqs", "8"] and "--enable-prompt-tokens-details" in plain
     assert "--kv-offloading-size 4 --kv-offloading-backend native" in " ".join(offload)
-    assert adapter.block_size() == 16 and adapter.model.kv_bytes_per_token() == 32 * 8 * 128 * 2 * 2
+    assert (
+        adapter.block_size() == 16 and adapter.deployment.model.kv_bytes_per_token() == 32 * 8 * 128 * 2 * 2
+    )
     events, replay = adapter.open_event_subscriber()
     adapter.close_event_subscriber()
     assert (events, replay) == ("tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002")
@@ -127,7 +129,7 @@ def test_tiny_model_dtype_follows_the_kv_bytes_the_oracles_use(tmp_path: Path):
     ):
         argv = adapter.command_argvs()[0]
         assert argv[argv.index("--dtype") + 1] == dtype
-        assert adapter.model.dtype_bytes == {"bfloat16": 2, "float32": 4}[dtype]
+        assert adapter.deployment.model.dtype_bytes == {"bfloat16": 2, "float32": 4}[dtype]
 
 
 def test_vllm_gets_a_stop_grace_a_profile_may_override(tmp_path: Path):
@@ -253,7 +255,7 @@ def test_lmcache_argv_and_client_layout_from_profile(tmp_path: Path):
         "dtype": "float16",
         "model_name": "llama-8b",
     }
-    chunk_bytes = adapter.model.block_bytes(adapter.block_size())
+    chunk_bytes = adapter.deployment.model.block_bytes(adapter.block_size())
     assert chunk_bytes == 2 * 32 * 8 * 128 * 2 * 256, "oracles use the profile's shape"
 
 
@@ -272,7 +274,7 @@ def test_trtllm_argv_and_options_from_profile(tmp_path: Path):
     adapter = TrtllmAdapter(AdapterContext(workdir=tmp_path, profile=two))
     assert "--tp_size 2" in " ".join(adapter.serve_args(8000, tmp_path / "o.yaml"))
     assert adapter.llm_api_options(EngineConfig())["kv_cache_config"]["max_tokens"] == 2**30 // (
-        adapter.model.kv_bytes_per_token()
+        adapter.deployment.model.kv_bytes_per_token()
     )
 
 

@@ -36,6 +36,7 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
@@ -71,12 +72,11 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     name = "llamacpp"
     env_spec = "llamacpp"
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).
-    default_block_size = 1
+    deployment = Deployment(block_size=1, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     # Fully cached prompt: n_past-- (server-context.cpp:3382-3386), one token recomputed.
     traits = EngineTraits(recomputes_last_token=LastToken.TOKEN)
     # The tiny GGUF (make_gguf.py): 2 layers, 4 query heads, 2 KV heads of 64. The KV cache is
     # f16 (common/common.h:589-590, cache_type_k/v = GGML_TYPE_F16) whatever the weights' type.
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     heads = 4
     vocab = 4096  # kvconform's prompts use token ids 10..3999 (kvconform/prompts.py)
     seed = 0
@@ -115,7 +115,7 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             why = "attached: the server's --cache-ram, --parallel and -c are not the adapter's"
             gaps |= {C.RESET_PREFIX_CACHE: why, C.FORCED_EVICTION: why}
         return gaps
@@ -123,7 +123,7 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     # ---- lifecycle ----------------------------------------------------------------------
     def model_path(self) -> Path:
         """The tiny GGUF, written once per shape and seed with the engine env's gguf-py."""
-        m = self.model
+        m = self.deployment.model
         args = [
             f"--vocab={self.vocab}",
             f"--layers={m.layers}",
@@ -197,11 +197,8 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server is not None else []
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server is not None else ""
-
-    def describe_logs(self) -> dict[str, str]:
-        return {"llama-server": self.log_tail(200)} if self.server is not None else {}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        return {"llama-server": self.server.log_tail(lines)} if self.server is not None else {}
 
     # ---- requests and metrics -------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
@@ -250,7 +247,7 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
 
     def kv_pool_bytes(self) -> int:
         # llama_kv_cache allocates K and V for every cell of -c at start (f16).
-        return self.ctx_tokens * self.model.kv_bytes_per_token()
+        return self.ctx_tokens * self.deployment.model.kv_bytes_per_token()
 
     # ---- memory churn: a llama-server instance is its process -------------------------
     @provides(InstanceChurn)

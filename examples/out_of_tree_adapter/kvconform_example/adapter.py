@@ -4,13 +4,13 @@ The engine it drives stands in for yours: kvconform's reference server (installe
 `kvconform[reference]`), launched as a process and spoken to over HTTP, as any serving engine
 is. What an adapter for a new engine writes, all of it here:
 
-- what the engine is: `name`, `model` (the KV shape: what one block weighs),
-  `default_block_size`, `env_spec` (the engine's own environment; None runs it with the
-  suite's interpreter, as this stand-in can);
+- what the engine is: `name`, `deployment` (the model's KV shape, what one block weighs,
+  and the block size it runs at), `env_spec` (the engine's own environment; None runs it
+  with the suite's interpreter, as this stand-in can);
 - `capabilities`, the promises it can be judged on; registration refuses a capability whose
   methods or facets are missing (kvconform/contract/requirements.py lists them);
 - `start` (launch, wait until healthy), `stop` (teardown report: leftover processes and shm),
-  `running`, `engine_pids`;
+  `running`, `engine_pids`, `logs` (each process's log tail);
 - `serve_prompt`: prompt tokens, cached tokens, output token ids, from the engine's own answer;
 - `metrics` and `metric_map`: the suite's logical names mapped to the engine's series;
 - `reset_prefix_cache`, where the engine has one: the CacheReset facet, which the adapter
@@ -25,6 +25,7 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     MetricMap,
@@ -42,8 +43,7 @@ C = Capability
 class ExampleAdapter(HttpApi, EngineAdapter, CacheReset):
     name = "example-ref"
     env_spec = None
-    default_block_size = 16
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    deployment = Deployment(block_size=16, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -69,7 +69,7 @@ class ExampleAdapter(HttpApi, EngineAdapter, CacheReset):
     def start(self, config: EngineConfig) -> None:
         port = free_port()
         argv = [sys.executable, "-m", "kvconform.engines.reference.server", "--port", str(port)]
-        argv += ["--block-size", str(config.block_size or self.default_block_size)]
+        argv += ["--block-size", str(config.block_size or self.deployment.block_size)]
         self.base_url = f"http://127.0.0.1:{port}"
         self.server = LaunchedServer(
             self.name,

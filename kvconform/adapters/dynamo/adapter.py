@@ -23,6 +23,7 @@ from kvconform.contract import (
     ActiveBlockTracker,
     AdapterContext,
     Capability,
+    Deployment,
     DisaggregatedServing,
     EngineAdapter,
     EngineConfig,
@@ -40,6 +41,7 @@ from kvconform.contract import (
     SecondRelease,
     ServedPrompt,
     TraceReplay,
+    log_tail,
     poll_until,
     provides,
 )
@@ -89,8 +91,7 @@ class DynamoAdapter(
 ):
     name = "dynamo"
     env_spec = "dynamo"
-    default_block_size = 16
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    deployment = Deployment(block_size=16, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     traits = EngineTraits(workers=WORKERS)
     capabilities = frozenset(
         {
@@ -139,7 +140,7 @@ class DynamoAdapter(
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             # The suite knows the frontend only: the mockers' system ports (their KV usage,
             # their request counts) and event ports are a team's own.
             why = "attached: the workers' event and system ports are not the suite's"
@@ -205,7 +206,7 @@ class DynamoAdapter(
     def start(self, config: EngineConfig) -> None:
         if config.persistent:
             raise NotImplementedError("Dynamo's mocker keeps no KV across restarts (simulated tiers)")
-        block = config.block_size or self.default_block_size
+        block = config.block_size or self.deployment.block_size
         self._stacks += 1
         stack = self.ctx.workdir / f"stack-{self._stacks}"
         self._stack = stack
@@ -282,7 +283,7 @@ class DynamoAdapter(
         if not poll_until(
             self._all_workers_routable, timeout_s=min(120.0, self.ctx.start_timeout_s), interval_s=0.2
         ):
-            tails = "\n".join(f"--- {n}\n{t}" for n, t in self.describe_logs().items())
+            tails = log_tail(self, 60)
             self.stop()
             raise EngineStartError(
                 self.name, f"frontend never listed {len(roles)} workers for model {MODEL_NAME}", tails
@@ -331,7 +332,7 @@ class DynamoAdapter(
             "--disaggregation-mode",
             role,
             "--kv-bytes-per-token",
-            str(self.model.kv_bytes_per_token()),
+            str(self.deployment.model.kv_bytes_per_token()),
             "--kv-transfer-bandwidth",
             str(DISAGG_BANDWIDTH_GBPS),
         ]
@@ -481,7 +482,7 @@ class DynamoAdapter(
         ids = [i["instance_id"] for i in generate_instances(health)]
         if not ids:
             raise EngineError(
-                self.name, f"frontend /health lists no generate instance: {health}", self.log_tail()
+                self.name, f"frontend /health lists no generate instance: {health}", log_tail(self)
             )
         return min(ids)
 
@@ -566,7 +567,7 @@ class DynamoAdapter(
 
     def kv_pool_bytes(self) -> int:
         workers = len(self.worker_roles(self.config)) if self.config else WORKERS
-        return workers * GPU_BLOCKS * self.model.block_bytes(self.block_size())
+        return workers * GPU_BLOCKS * self.deployment.model.block_bytes(self.block_size())
 
     @provides(OffloadTier)
     def host_tier(self) -> OffloadTier:
@@ -624,16 +625,13 @@ class DynamoAdapter(
             payload = resp.text
         return resp.status_code, payload
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.frontend.log_tail(lines) if self.frontend else ""
-
-    def describe_logs(self) -> dict[str, str]:
+    def logs(self, lines: int = 80) -> dict[str, str]:
         logs = {}
         for server in (self.frontend, *self.mockers, self.tracker):
             if server is not None:
-                logs[server.process.name] = server.log_tail(60)
+                logs[server.process.name] = server.log_tail(lines)
         if self.driver is not None:
-            logs["dynamo driver"] = self.driver.log_tail(60)
+            logs["dynamo driver"] = self.driver.log_tail(lines)
         return logs
 
 
@@ -680,4 +678,4 @@ class MockerHostTier(OffloadTier):
         raise EngineError(self.engine.name, f"requests still open {timeout_s:.0f} s after the offload load")
 
     def block_bytes(self) -> int:
-        return self.engine.model.block_bytes(self.engine.block_size())
+        return self.engine.deployment.model.block_bytes(self.engine.block_size())

@@ -26,6 +26,7 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
@@ -43,6 +44,7 @@ from kvconform.contract import (
     ServedPrompt,
     TraceReplay,
     apply_launch_profile,
+    log_tail,
     provides,
 )
 from kvconform.errors import EngineError, UsageError
@@ -89,13 +91,15 @@ class LmcacheAdapter(
 ):
     name = "lmcache"
     env_spec = "lmcache"
-    default_block_size = 256  # LMCache's chunk size
+    # LMCache's chunk size
+    deployment = Deployment(
+        block_size=256, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    )
     # a cache store returns every stored chunk; L1 evicts on a background loop
     # lookup_requested_tokens counts whole chunks only (a shorter tail is never looked up)
     traits = EngineTraits(
         recomputes_last_token=False, eviction_period_s=L1_EVICTION_PERIOD_S, queries_whole_blocks=True
     )
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -151,7 +155,7 @@ class LmcacheAdapter(
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             # One sequence numbers every model's KV-event records: the gaps other models
             # leave in ours would read as losses.
             gaps[C.KV_EVENTS] = "attached: a shared server's KV-event sequence is every model's"
@@ -193,7 +197,7 @@ class LmcacheAdapter(
         self, config: EngineConfig, rpc_port: int, http_port: int, l2: dict[str, Any] | None
     ) -> list[str]:
         """`server ...`, the arguments after the program; a profile's extra_args last."""
-        chunk = config.block_size or self.default_block_size
+        chunk = config.block_size or self.deployment.block_size
         argv = [
             "server",
             "--host",
@@ -230,7 +234,7 @@ class LmcacheAdapter(
 
     def preflight(self) -> None:
         super().preflight()
-        if not self.attached and not self.profile.is_default:
+        if not self.ctx.attached and not self.profile.is_default:
             self.check_command_line()
 
     def check_command_line(self) -> None:
@@ -254,7 +258,7 @@ class LmcacheAdapter(
     def register_args(self) -> dict[str, Any]:
         """The KV layout our client registers: the profile's model shape (and name), else the tiny
         default model's."""
-        shape = self.model
+        shape = self.deployment.model
         if shape.dtype_bytes not in CLIENT_DTYPES:
             raise UsageError(
                 f"launch profile {self.profile.name}: [model_shape] dtype_bytes {shape.dtype_bytes} "
@@ -306,7 +310,7 @@ class LmcacheAdapter(
         # would otherwise choose the reclaim probe of every check after it.
         self.churn_path = "unregister"
         super().ensure(config)
-        if self.attached and self.client is None:
+        if self.ctx.attached and self.client is None:
             self.rpc_url = os.environ.get("KVCONFORM_LMCACHE_RPC_URL", "")
             if not self.rpc_url:
                 raise UsageError(
@@ -373,7 +377,7 @@ class LmcacheAdapter(
     # ---- offline replay (TRACE_REPLAY) --------------------------------------------------
     @provides(TraceReplay)
     def trace_replay(self) -> TraceReplay:
-        return LmcacheTraceReplay(self.name, self._simulator_call, self.model)
+        return LmcacheTraceReplay(self.name, self._simulator_call, self.deployment.model)
 
     def _simulator_call(self, op: str, **args: Any) -> Any:
         self.simulator = live_driver(
@@ -408,7 +412,7 @@ class LmcacheAdapter(
         got = self.client.call("retrieve", instance_id=SERVING_INSTANCE, token_ids=tokens, **salted)
         stored = self.client.call("store", instance_id=SERVING_INSTANCE, token_ids=tokens, **salted)
         if not stored.get("ok", False):
-            raise EngineError(self.name, f"store of {len(tokens)} tokens failed: {stored}", self.log_tail())
+            raise EngineError(self.name, f"store of {len(tokens)} tokens failed: {stored}", log_tail(self))
         intact = got.get("bytes_match") is not False
         return ServedPrompt(len(tokens), int(got.get("hit_tokens") or 0), [int(intact)])
 
@@ -430,11 +434,11 @@ class LmcacheAdapter(
         time.sleep(self.traits.event_settle_s)
         got = self.client.call("take_events")
         if got.get("error"):
-            raise EngineError(self.name, f"KV event subscription failed: {got['error']}", self.log_tail())
+            raise EngineError(self.name, f"KV event subscription failed: {got['error']}", log_tail(self))
         events: list[KvEvent] = []
         for batch in got.get("batches", []):
             if not batch["enabled"]:
-                raise EngineError(self.name, "the server records no KV events (disabled)", self.log_tail())
+                raise EngineError(self.name, "the server records no KV events (disabled)", log_tail(self))
             for record in batch["events"]:
                 if record["kind"] not in ("stored", "removed"):
                     raise EngineError(self.name, f"KV event record of unknown kind: {record}")
@@ -464,13 +468,15 @@ class LmcacheAdapter(
         return int(self.l1_gb() * 2**30)
 
     def cache_capacity_tokens(self) -> int:
-        return self.kv_pool_bytes() // self.model.kv_bytes_per_token()
+        return self.kv_pool_bytes() // self.deployment.model.kv_bytes_per_token()
 
     # ---- persistence ---------------------------------------------------------------------
     @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """The fs L2 adapter's files (one per chunk), flushed by the L2 store tasks."""
-        return FileTier(self.l2_dir(), "**/*", self.model.block_bytes(self.block_size()), self.flush_l2)
+        return FileTier(
+            self.l2_dir(), "**/*", self.deployment.model.block_bytes(self.block_size()), self.flush_l2
+        )
 
     def flush_l2(self, timeout_s: float = 15.0, quiet_s: float = 0.5) -> None:
         """Until every store task has ended and no new one came for quiet_s: the store controller
@@ -539,7 +545,7 @@ class LmcacheAdapter(
         raise EngineError(
             self.name,
             f"instance {instance_id} not reaped {timeout_s:.0f}s after its client died",
-            self.log_tail(),
+            log_tail(self),
         )
 
     def _unlink_client_shm(self, pid: int) -> int:
@@ -636,18 +642,15 @@ class LmcacheAdapter(
         )
 
     # ---- logs -------------------------------------------------------------------------------
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server else ""
-
-    def describe_logs(self) -> dict[str, str]:
-        logs = {"lmcache server": self.log_tail(80)}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        logs = {"lmcache server": self.server.log_tail(lines) if self.server else ""}
         for name, driver in (
             ("client", self.client),
             ("churn client", self.churner),
             ("in-process", self.inproc),
         ):
             if driver is not None:
-                logs[f"lmcache {name}"] = driver.log_tail(60)
+                logs[f"lmcache {name}"] = driver.log_tail(lines)
         return logs
 
     def cleanup_workdir(self) -> None:
@@ -699,7 +702,10 @@ class LmcacheRedisAdapter(LmcacheAdapter):
 
     def cache_capacity_tokens(self) -> int:
         """L1 and the Redis L2 behind it (LMCache's L2 capacity, REDIS_L2_CAPACITY_BYTES)."""
-        return super().cache_capacity_tokens() + REDIS_L2_CAPACITY_BYTES // self.model.kv_bytes_per_token()
+        return (
+            super().cache_capacity_tokens()
+            + REDIS_L2_CAPACITY_BYTES // self.deployment.model.kv_bytes_per_token()
+        )
 
     def ensure_redis(self) -> RedisServer:
         if self.redis is not None and not self.redis.alive():
@@ -760,12 +766,14 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """Redis is L2: its objects are the persistent tier."""
-        return StoreTier(self.remote_tier(), self.model.block_bytes(self.block_size()), self.flush_l2)
+        return StoreTier(
+            self.remote_tier(), self.deployment.model.block_bytes(self.block_size()), self.flush_l2
+        )
 
-    def describe_logs(self) -> dict[str, str]:
-        logs = super().describe_logs()
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        logs = super().logs(lines)
         if self.redis is not None:
-            logs["redis server"] = self.redis.log_tail(40)
+            logs["redis server"] = self.redis.log_tail(lines)
         return logs
 
     def cleanup_workdir(self) -> None:

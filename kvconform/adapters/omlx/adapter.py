@@ -51,6 +51,7 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
@@ -64,6 +65,7 @@ from kvconform.contract import (
     ReleaseTwice,
     SecondRelease,
     ServedPrompt,
+    log_tail,
     provides,
 )
 from kvconform.envs import BuiltEnv
@@ -122,12 +124,13 @@ def token_ids(text: str) -> list[int]:
 class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, CacheReset, ReleaseGuard):
     name = "omlx"
     env_spec = "omlx"  # flyto-mlx 0.7.0 on Linux CPU; on a Mac, `omlx` on PATH does too
-    default_block_size = BLOCK_SIZE
+    deployment = Deployment(
+        block_size=BLOCK_SIZE, model=ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
+    )
     # An exact block-aligned hit is served from N-1 tokens: oMLX trims the reconstructed cache
     # by one token to compute the last (omlx/scheduler.py, _trim_prompt_cache_for_generation),
     # where a block-granular cache drops the whole last block.
     traits = EngineTraits(recomputes_last_token=LastToken.TOKEN)
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=32, dtype_bytes=2)
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -159,7 +162,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             ssd = "attached: the SSD tier's size is not the suite's to know"
             models = "attached: the models are a team's own; the suite never unloads them"
             gaps |= {C.FORCED_EVICTION: ssd, C.INSTANCE_CHURN: models, C.INSTANCE_REGISTRY: models}
@@ -171,7 +174,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         self.server: LaunchedServer | None = None
         key = os.environ.get("KVCONFORM_OMLX_API_KEY", "")
         # Launched, the server gets a key of its own (its admin API needs one).
-        self.api_key = key if key or self.attached else "kvc-" + secrets.token_urlsafe(24)
+        self.api_key = key if key or self.ctx.attached else "kvc-" + secrets.token_urlsafe(24)
         self._model: str | None = os.environ.get("KVCONFORM_OMLX_MODEL") or None
         self._attached_block: int | None = None
         self._admin_cookie: str | None = None
@@ -180,7 +183,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         self._stored_prefixes: set[int] = set()  # hashes of full-block prefixes served
 
     def __repr__(self) -> str:  # never show the key
-        return f"<OmlxAdapter {'attached ' + str(self.ctx.url) if self.attached else 'launched'}>"
+        return f"<OmlxAdapter {'attached ' + str(self.ctx.url) if self.ctx.attached else 'launched'}>"
 
     def _headers(self) -> dict[str, str]:
         """Sent on every request (HTTP sessions may be per thread, so nothing lives in one)."""
@@ -206,7 +209,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
 
     @property
     def version(self) -> str:
-        if self.attached:
+        if self.ctx.attached:
             return self.attached_version()
         env = self._built_env()
         if env is not None:
@@ -220,7 +223,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
             return "unknown (attached)"
 
     def preflight(self) -> None:
-        if self.attached:
+        if self.ctx.attached:
             self.check_reachable()
         elif self._built_env() is None and shutil.which("omlx") is None:
             raise UsageError(
@@ -277,10 +280,10 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
                     str(env.python),
                     str(DRIVERS / "make_tiny_mlx_model.py"),
                     str(out),
-                    *("--layers", str(self.model.layers)),
-                    *("--heads", str(self.model.kv_heads)),
-                    *("--kv-heads", str(self.model.kv_heads)),
-                    *("--head-dim", str(self.model.head_dim)),
+                    *("--layers", str(self.deployment.model.layers)),
+                    *("--heads", str(self.deployment.model.kv_heads)),
+                    *("--kv-heads", str(self.deployment.model.kv_heads)),
+                    *("--head-dim", str(self.deployment.model.head_dim)),
                 ]
                 done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
                 if done.returncode != 0:
@@ -391,7 +394,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
                 timeout=self.ctx.request_timeout_s,
             )
         except requests.RequestException as exc:
-            raise EngineError(self.name, f"{method} {ADMIN}{path} failed: {exc}", self.log_tail()) from None
+            raise EngineError(self.name, f"{method} {ADMIN}{path} failed: {exc}", log_tail(self)) from None
 
     def login(self) -> None:
         try:
@@ -401,7 +404,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
                 timeout=self.ctx.request_timeout_s,
             )
         except requests.RequestException as exc:
-            raise EngineError(self.name, f"POST {ADMIN}/login failed: {exc}", self.log_tail()) from None
+            raise EngineError(self.name, f"POST {ADMIN}/login failed: {exc}", log_tail(self)) from None
         if resp.status_code == 400:
             raise EngineError(
                 self.name,
@@ -449,7 +452,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         SSD writes are asynchronous: launched, wait for the writer to settle first, so that
         no block lands on disk after the clear, and check that the tier's folder is empty.
         """
-        launched = not self.attached
+        launched = not self.ctx.attached
         if launched:
             self._wait_files_still(timeout_s=10.0, quiet_s=0.5)
         self._stored_prefixes.clear()
@@ -480,7 +483,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         }
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
-        fresh = [] if self.attached else self._unstored_prefixes(tokens)
+        fresh = [] if self.ctx.attached else self._unstored_prefixes(tokens)
         files_before = self._file_names() if fresh else set()
         data = self.post_json("/v1/completions", self.completion_body(tokens, max_tokens))
         if fresh:
@@ -534,14 +537,14 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         status = self.get_json("/api/status")
         missing = [k for k in ("active_requests", "waiting_requests") if k not in status]
         if missing:
-            raise EngineError(self.name, f"/api/status lacks {', '.join(missing)}", self.log_tail())
+            raise EngineError(self.name, f"/api/status lacks {', '.join(missing)}", log_tail(self))
         return int(status["active_requests"]) + int(status["waiting_requests"])
 
     def block_size(self) -> int:
         """Launched: oMLX's fixed block (the server has no option for it), never its report.
         Attached: the server's configured block size (runtime_cache.effective_block_sizes),
         as someone else configured it."""
-        if self.attached:
+        if self.ctx.attached:
             return self.attached_block_size()
         return BLOCK_SIZE
 
@@ -555,7 +558,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         (until 2026-12-06 it read None: a mutant that moved the block size went unjudged on a
         fresh server). Attached: None (attached_block_size reads the stats, loading nothing on
         a team's server)."""
-        if self.attached:
+        if self.ctx.attached:
             return None
         self._load_model()
         sizes = (self.session_stats().get("runtime_cache") or {}).get("effective_block_sizes") or []
@@ -575,7 +578,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
     def cache_capacity_tokens(self) -> int:
         """The SSD tier as configured: SSD_CACHE_BYTES of 256-token block files, each the
         block's K and V (computed from the model shape, not read from the engine)."""
-        return SSD_CACHE_BYTES // self.model.block_bytes(BLOCK_SIZE) * BLOCK_SIZE
+        return SSD_CACHE_BYTES // self.deployment.model.block_bytes(BLOCK_SIZE) * BLOCK_SIZE
 
     def kv_pool_bytes(self) -> int:
         """Resident KV the configuration allows beyond the running request: the hot cache
@@ -589,7 +592,10 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         """The paged SSD cache's block files (one safetensors file per block, under a
         directory per first hex digit of its hash)."""
         return FileTier(
-            self.ssd_dir(), "[0-9a-f]/*.safetensors", self.model.block_bytes(BLOCK_SIZE), self.flush_ssd
+            self.ssd_dir(),
+            "[0-9a-f]/*.safetensors",
+            self.deployment.model.block_bytes(BLOCK_SIZE),
+            self.flush_ssd,
         )
 
     def ssd_files(self) -> list[Path]:
@@ -730,11 +736,8 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server else []
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server else ""
-
-    def describe_logs(self) -> dict[str, str]:
-        return {"omlx serve": self.log_tail(80)} if self.server else {}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        return {"omlx serve": self.server.log_tail(lines)} if self.server else {}
 
 
 class OmlxChurn(InstanceChurn):

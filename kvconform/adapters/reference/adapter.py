@@ -21,6 +21,7 @@ from kvconform.contract import (
     BlockPoolStats,
     CacheReset,
     Capability,
+    Deployment,
     DisaggregatedServing,
     EngineAdapter,
     EngineConfig,
@@ -39,6 +40,7 @@ from kvconform.contract import (
     SecondRelease,
     ServedPrompt,
     TransferResult,
+    log_tail,
     provides,
 )
 from kvconform.engines.reference import VERSION
@@ -76,8 +78,7 @@ class ReferenceAdapter(
     env_spec = None
     # pytest option dests it reads from ctx.options (its own plugin adds --fault: .options)
     pytest_options = ("fault",)
-    default_block_size = 16
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    deployment = Deployment(block_size=16, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -165,7 +166,7 @@ class ReferenceAdapter(
             "--port",
             str(port),
             "--block-size",
-            str(config.block_size or self.default_block_size),
+            str(config.block_size or self.deployment.block_size),
             "--num-blocks",
             str(NUM_BLOCKS),
         ]
@@ -243,7 +244,7 @@ class ReferenceAdapter(
         return predicted, self.serve_prompt(tokens)
 
     def kv_pool_bytes(self) -> int:
-        return NUM_BLOCKS * self.model.block_bytes(self.block_size())
+        return NUM_BLOCKS * self.deployment.model.block_bytes(self.block_size())
 
     def cache_capacity_tokens(self) -> int:
         return NUM_BLOCKS * self.block_size()
@@ -257,7 +258,7 @@ class ReferenceAdapter(
     def persistent_tier(self) -> PersistentTier:
         # each .kv file: a 16-byte header (magic, payload length, CRC32) and the block's KV
         # (kvconform/engines/reference/disk.py HEADER)
-        block_bytes = self.model.block_bytes(self.block_size()) + DISK_HEADER_BYTES
+        block_bytes = self.deployment.model.block_bytes(self.block_size()) + DISK_HEADER_BYTES
         return FileTier(self.disk_dir(), "*.kv", block_bytes)
 
     def reset_all_tiers(self) -> None:
@@ -502,7 +503,7 @@ class ReferenceAdapter(
                 self.name,
                 f"decode instance has no record of transfer {result['transfer_id']} "
                 f"(GET /transfer/received -> {received.status_code})",
-                self.log_tail(),
+                log_tail(self),
             )
         # The reference's decode instance keeps received pages apart from its prefix cache: its
         # answer is computed over KV of its own (what the answer measure compares), and it
@@ -517,15 +518,12 @@ class ReferenceAdapter(
     def release_twice(self, tokens: list[int]) -> ReleaseTwice:
         return ReleaseTwice.from_json(self.post_json("/admin/release_twice", {"prompt": tokens}))
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server else ""
-
-    def describe_logs(self) -> dict[str, str]:
+    def logs(self, lines: int = 80) -> dict[str, str]:
         logs = {}
         if self.server:
-            logs["reference"] = self.server.log_tail(80)
+            logs["reference"] = self.server.log_tail(lines)
         if self.decode:
-            logs["reference-decode"] = self.decode.log_tail(80)
+            logs["reference-decode"] = self.decode.log_tail(lines)
         return logs
 
 

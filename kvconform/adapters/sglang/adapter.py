@@ -20,13 +20,13 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
     KvEvents,
     KvPool,
     KvTransfer,
-    ModelShape,
     RadixCacheModel,
     SaltedPrompts,
     ServedPrompt,
@@ -81,8 +81,7 @@ _EVENT_KINDS: dict[str, Kind] = {
 class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, CacheReset):
     name = "sglang"
     env_spec = "sglang"
-    default_block_size = 16  # SGLang's page size
-    model: ModelShape = MODEL
+    deployment = Deployment(block_size=16, model=MODEL)  # SGLang's page size
     capabilities = INPROCESS_CAPABILITIES
 
     def __init__(self, ctx: AdapterContext) -> None:
@@ -135,7 +134,7 @@ class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, C
         # only the transfer ops there) starts without a cache; a cache op then names what is missing.
         self.cache_api = bool(self.driver.call("info").get("cache_api", True))
         if self.cache_api:
-            self.new_cache(config.block_size or self.default_block_size)
+            self.new_cache(config.block_size or self.deployment.block_size)
         self.config = config
 
     def new_cache(self, page_size: int, capacity_tokens: int = CAPACITY_TOKENS) -> dict[str, Any]:
@@ -148,9 +147,9 @@ class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, C
             capacity_tokens=capacity_tokens,
             allocator=allocator,
             kv_pool="mha",
-            head_num=self.model.kv_heads,
-            head_dim=self.model.head_dim,
-            layer_num=self.model.layers,
+            head_num=self.deployment.model.kv_heads,
+            head_dim=self.deployment.model.head_dim,
+            layer_num=self.deployment.model.layers,
             max_requests=64,
         )
         self.ledger = EventLedger()
@@ -197,7 +196,7 @@ class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, C
         return CAPACITY_TOKENS
 
     def kv_pool_bytes(self) -> int:
-        return CAPACITY_TOKENS * self.model.kv_bytes_per_token()
+        return CAPACITY_TOKENS * self.deployment.model.kv_bytes_per_token()
 
     def engine_pids(self) -> list[int]:
         return self.driver.pids() if self.driver else []
@@ -247,8 +246,5 @@ class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, C
     def kv_transfer(self) -> KvTransfer:
         return SglangTransfer(self)
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.driver.log_tail(lines) if self.driver else ""
-
-    def describe_logs(self) -> dict[str, str]:
-        return {"sglang driver": self.log_tail(80)} if self.driver else {}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        return {"sglang driver": self.driver.log_tail(lines)} if self.driver else {}

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvconform.contract import EngineConfig, KvTransfer, ModelShape, TransferResult
+from kvconform.contract import Deployment, EngineConfig, KvTransfer, TransferResult
 
 
 class SenderDriver(Protocol):
     """What the transfer needs of the in-process SGLang adapter: its driver and its cache."""
 
     config: EngineConfig | None
-    model: ModelShape
+    deployment: Deployment
     cache_api: bool
-    default_block_size: int
 
     def call(self, op: str, **args: Any) -> Any: ...
     def new_cache(self, page_size: int) -> dict[str, Any]: ...
@@ -47,7 +46,7 @@ class SglangTransfer(KvTransfer):
         if abort_after_pages is not None:
             raise NotImplementedError("SGLang in-process has no transfer to abort")
         previous = self.adapter.config or EngineConfig()
-        m = self.adapter.model
+        m = self.adapter.deployment.model
         pool = {
             "kind": "mha" if layout == "mha" else "mla",
             "page_size": page_size,
@@ -80,7 +79,7 @@ class SglangTransfer(KvTransfer):
             )
         finally:
             if self.adapter.cache_api:
-                self.adapter.new_cache(previous.block_size or self.adapter.default_block_size)
+                self.adapter.new_cache(previous.block_size or self.adapter.deployment.block_size)
         return TransferResult(
             kv_indices=kv_indices,
             page_indices=result["page_indices"],

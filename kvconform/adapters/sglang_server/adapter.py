@@ -57,6 +57,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +69,19 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
     InstanceChurn,
     KvPool,
     MetricMap,
-    ModelShape,
     ReclaimProbe,
     SaltedPrompts,
     SelfChecks,
     ServedPrompt,
     apply_launch_profile,
+    log_tail,
     provides,
 )
 from kvconform.errors import EngineError, UsageError
@@ -171,8 +173,7 @@ class SglangServerAdapter(
 ):
     name = "sglang-server"
     env_spec = "sglang-server"
-    default_block_size = SERVER_PAGE_SIZE
-    model: ModelShape = MODEL
+    deployment = Deployment(block_size=SERVER_PAGE_SIZE, model=MODEL)
     capabilities = SERVER_CAPABILITIES
     metric_map = MetricMap(
         names=SERVER_METRICS,
@@ -189,7 +190,7 @@ class SglangServerAdapter(
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             gaps[C.KV_EVENTS] = "attached: the suite binds no event socket"
             gaps[C.ABORT_REQUESTS] = "attached: its check judges the KV-event ledger"
         return gaps
@@ -206,11 +207,12 @@ class SglangServerAdapter(
         self._gpu_before: int | None = None  # NVML device used before the first start (GPU runners)
         self._alarm_offset = 0  # how far self_check_alarms() has read the server log (appended per launch)
         # A release whose CPU build runs at one page size only says so in its spec (`page_size`).
-        self.default_block_size = int(self.spec_data().get("page_size", SERVER_PAGE_SIZE))
+        page = int(self.spec_data().get("page_size", SERVER_PAGE_SIZE))
+        self.deployment = replace(self.deployment, block_size=page)
 
     def preflight(self) -> None:
         super().preflight()
-        if self.attached:
+        if self.ctx.attached:
             self.server_info()  # the page size and version come from here: fail now, not per check
         elif not self.profile.is_default:
             self.check_command_line()
@@ -231,7 +233,7 @@ class SglangServerAdapter(
         super().ensure(config)
 
     def start(self, config: EngineConfig) -> None:
-        if self.attached:
+        if self.ctx.attached:
             raise EngineError(self.name, "attached: the suite does not start the server")
         port = free_port()
         events, replay = self.open_event_subscriber()
@@ -275,7 +277,7 @@ class SglangServerAdapter(
         """The page size the launched server resolved (/server_info `page_size`: SGLang's own
         post-processing of the arguments may change the one asked for). Judged by the prefix
         checks against the request, never used as an oracle's block."""
-        if self.attached:
+        if self.ctx.attached:
             return None  # attached_block_size() reads the same field
         return int(self.server_info()["page_size"])
 
@@ -293,7 +295,7 @@ class SglangServerAdapter(
         return reports
 
     def running(self) -> bool:
-        if self.attached:
+        if self.ctx.attached:
             return self.config is not None
         return self.server is not None and self.server.process.alive()
 
@@ -303,7 +305,7 @@ class SglangServerAdapter(
         if self._model_dir is None:
             out = self.ctx.workdir / "model"
             if not (out / "config.json").exists():
-                m = self.model
+                m = self.deployment.model
                 subprocess.run(
                     [
                         str(self.env().python),
@@ -353,7 +355,7 @@ class SglangServerAdapter(
             *("--host", "127.0.0.1", "--port", str(port)),
             "--enable-metrics",
             "--enable-cache-report",  # usage.prompt_tokens_details on /v1/completions (serve_salted)
-            *("--page-size", str(config.block_size or self.default_block_size)),
+            *("--page-size", str(config.block_size or self.deployment.block_size)),
             *self.pool_args(),
             *("--kv-events-config", json.dumps(self.kv_events_config(events, replay))),
             "--skip-server-warmup",
@@ -368,7 +370,7 @@ class SglangServerAdapter(
         if p.is_default and p.gpu_memory_fraction is None:
             return ["--max-total-tokens", str(SERVER_CAPACITY_TOKENS)]
         if p.kv_cache_bytes is not None:
-            return ["--max-total-tokens", str(p.kv_cache_bytes // self.model.kv_bytes_per_token())]
+            return ["--max-total-tokens", str(p.kv_cache_bytes // self.deployment.model.kv_bytes_per_token())]
         return []
 
     def check_command_line(self) -> None:
@@ -413,10 +415,10 @@ class SglangServerAdapter(
                 if resp.status_code == 404:
                     resp = self.http.get(self.url("/get_server_info"), timeout=self.ctx.request_timeout_s)
             except requests.RequestException as exc:
-                raise EngineError(self.name, f"GET /server_info failed: {exc}", self.log_tail()) from None
+                raise EngineError(self.name, f"GET /server_info failed: {exc}", log_tail(self)) from None
             if resp.status_code != 200:
                 what = f"GET /server_info -> HTTP {resp.status_code}: {resp.text[:200]}"
-                raise EngineError(self.name, what, self.log_tail())
+                raise EngineError(self.name, what, log_tail(self))
             info = self._json(resp, "/server_info")
             if not isinstance(info, dict):
                 raise EngineError(self.name, f"/server_info returned {type(info).__name__}, not an object")
@@ -427,8 +429,9 @@ class SglangServerAdapter(
             except ValueError as exc:
                 raise EngineError(self.name, str(exc)) from None
             self._server_info = info
-            if self.attached:
-                self.default_block_size = page  # the attached server runs at its own page size
+            if self.ctx.attached:
+                # the attached server runs at its own page size
+                self.deployment = replace(self.deployment, block_size=page)
         return self._server_info
 
     def attached_version(self) -> str:
@@ -441,7 +444,7 @@ class SglangServerAdapter(
         return int(self.server_info()["page_size"])
 
     def cache_capacity_tokens(self) -> int:
-        if not self.attached:
+        if not self.ctx.attached:
             return SERVER_CAPACITY_TOKENS  # what the suite asked for (--max-total-tokens)
         try:
             return int_field(self.server_info(), "max_total_num_tokens", "/server_info")
@@ -452,7 +455,7 @@ class SglangServerAdapter(
         """The pool the suite asked for (--max-total-tokens) in bytes; else the server's own."""
         asked = self.pool_args()
         tokens = int(asked[1]) if asked else self.pool_counts("max_total_num_tokens")[0]
-        return tokens * self.model.kv_bytes_per_token()
+        return tokens * self.deployment.model.kv_bytes_per_token()
 
     def pool_counts(self, *keys: str) -> list[int]:
         """Integers of one /v1/loads answer; a missing or non-integer field is the engine's error."""
@@ -460,7 +463,7 @@ class SglangServerAdapter(
         try:
             return [int_field(load, key, "/v1/loads") for key in keys]
         except ValueError as exc:
-            raise EngineError(self.name, str(exc), self.log_tail()) from None
+            raise EngineError(self.name, str(exc), log_tail(self)) from None
 
     def pool_load(self) -> dict[str, Any]:
         """GET /v1/loads: the scheduler's pool counts, computed when asked (not the lazy gauge)."""
@@ -468,7 +471,7 @@ class SglangServerAdapter(
             "loads"
         )
         if not loads:
-            raise EngineError(self.name, f"/v1/loads has no loads: {loads!r}", self.log_tail())
+            raise EngineError(self.name, f"/v1/loads has no loads: {loads!r}", log_tail(self))
         return dict(loads[0])
 
     def requests_in_flight(self) -> int | None:
@@ -480,7 +483,7 @@ class SglangServerAdapter(
         num_used_tokens = total - available - evictable, pool_stats_observer._get_token_info),
         in bytes: 0 at idle, whatever the radix cache keeps (that is evictable)."""
         time.sleep(SELF_CHECK_SETTLE_S)  # the finishing step frees the request's KV just after the response
-        return self.pool_counts("num_used_tokens")[0] * self.model.kv_bytes_per_token()
+        return self.pool_counts("num_used_tokens")[0] * self.deployment.model.kv_bytes_per_token()
 
     # ---- requests -----------------------------------------------------------------------
     def generate_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -543,7 +546,7 @@ class SglangServerAdapter(
                 timeout=self.ctx.request_timeout_s,
             )
         except requests.RequestException as exc:
-            raise EngineError(self.name, f"streaming /generate failed: {exc}", self.log_tail()) from None
+            raise EngineError(self.name, f"streaming /generate failed: {exc}", log_tail(self)) from None
         if resp.status_code != 200:
             said = resp.text[:200]
             resp.close()
@@ -561,16 +564,16 @@ class SglangServerAdapter(
                     self.url(f"/flush_cache?timeout={FLUSH_WAIT_S}"), timeout=self.ctx.request_timeout_s
                 )
             except requests.RequestException as exc:
-                raise EngineError(self.name, f"POST /flush_cache failed: {exc}", self.log_tail()) from None
+                raise EngineError(self.name, f"POST /flush_cache failed: {exc}", log_tail(self)) from None
             if resp.status_code == 200:
                 return
             if resp.status_code != 400:
                 what = f"POST /flush_cache -> HTTP {resp.status_code}: {resp.text[:200]}"
-                raise EngineError(self.name, what, self.log_tail())
+                raise EngineError(self.name, what, log_tail(self))
             if time.monotonic() > deadline:  # 400: not flushed (requests still running or waiting)
                 said = resp.text.strip()[:200]
                 what = f"/flush_cache kept answering 400 for {RESET_RETRY_S:.0f} s: {said!r}"
-                raise EngineError(self.name, what, self.log_tail())
+                raise EngineError(self.name, what, log_tail(self))
             time.sleep(0.2)
 
     def engine_pids(self) -> list[int]:
@@ -586,23 +589,20 @@ class SglangServerAdapter(
         per-process GPU memory of the server's tree (exact; 0 bytes from a running CUDA build is
         an error) and device-wide used memory against the one before the first start
         (UNVERIFIED on a GPU: NVML mocked in tests/harness/test_gpu_specs.py)."""
-        measures = {} if self.attached else self.churn.leftover_measures()
+        measures = {} if self.ctx.attached else self.churn.leftover_measures()
         if self.running():
             measures["kv_tokens_held_bytes"] = MemoryMeasure(self.kv_tokens_held_bytes(), True)
-        holds_cuda = self.running() and not self.attached and self.env().spec.gpu
+        holds_cuda = self.running() and not self.ctx.attached and self.env().spec.gpu
         measures.update(
             gpu_reclaim_measures(nvml(), self.engine_pids(), holds_cuda, self._gpu_before, self.name)
         )
         return measures
 
     # ---- logs -----------------------------------------------------------------------------
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server is not None else ""
-
     def self_check_alarms(self, *, settle: bool = True) -> list[str] | None:
         """SGLang's idle audit's alarm lines in the server log since the last call ([] while no
         server runs; None attached: the suite does not read that server's log)."""
-        if self.attached:
+        if self.ctx.attached:
             return None
         if self.server is None:
             return []
@@ -614,8 +614,8 @@ class SglangServerAdapter(
             self._alarm_offset = log.tell()
         return [line for line in text.splitlines() if SELF_CHECK_ALARM.search(line)]
 
-    def describe_logs(self) -> dict[str, str]:
-        logs = {"sglang server": self.log_tail(80)} if self.server is not None else {}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        logs = {"sglang server": self.server.log_tail(lines)} if self.server is not None else {}
         if self.subscriber is not None and self.subscriber.decode_errors:
             logs["kv event decode errors"] = "\n".join(self.subscriber.decode_errors[-20:])
         with_calls = self.standin_calls_path()

@@ -62,6 +62,7 @@ from kvconform.contract import (
     AdapterContext,
     BlockPoolStats,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     KvEvents,
@@ -389,7 +390,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
     name = "trtllm"
     env_spec = "trtllm"
     # TensorRT-LLM's default tokens_per_block; the pool's own (kvCacheStats) is judged against it.
-    default_block_size = 32
+    deployment = Deployment(block_size=32)
     # Every capability some release backs; unsupported() names those the release this
     # instance speaks to cannot back (Release.gaps), besides the attach-mode ones.
     capabilities = frozenset(
@@ -436,7 +437,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
     def target_version(self) -> str:
         """The release this instance speaks to: the attached server's /version, else the built
         environment's version, else the version its spec pins (`tensorrt-llm==X`)."""
-        if self.attached:
+        if self.ctx.attached:
             return self.attached_version()
         try:
             return self.env().version
@@ -502,7 +503,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
         """/perf_metrics has records only when perf_metrics_max_requests > 0 (default 0,
         tensorrt_llm/llmapi/llm_args.py): read it when the options file this adapter wrote
         sets it, or (attached) when the operator says so with KVCONFORM_TRTLLM_PERF_METRICS=1."""
-        if self.attached:
+        if self.ctx.attached:
             return os.environ.get(PERF_METRICS_ENV, "") not in ("", "0")
         return bool(self._options and int(self._options.get("perf_metrics_max_requests", 0)) > 0)
 
@@ -537,7 +538,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
         if profile.block_size is not None:
             kv["tokens_per_block"] = profile.block_size
         if profile.kv_cache_bytes is not None:  # KvCacheConfig.max_tokens bounds the pool in tokens
-            kv["max_tokens"] = profile.kv_cache_bytes // self.model.kv_bytes_per_token()
+            kv["max_tokens"] = profile.kv_cache_bytes // self.deployment.model.kv_bytes_per_token()
         if config.offload:
             kv["host_cache_size"] = HOST_CACHE_BYTES
         return {
@@ -576,7 +577,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
 
     def preflight(self) -> None:
         super().preflight()
-        if not self.attached and not self.profile.is_default:
+        if not self.ctx.attached and not self.profile.is_default:
             self.check_command_line()
 
     def check_command_line(self) -> None:
@@ -595,7 +596,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
     def start(self, config: EngineConfig) -> None:
         if config.persistent:
             raise NotImplementedError("TensorRT-LLM has no persistent prefix tier wired here")
-        if config.block_size not in (None, self.default_block_size):
+        if config.block_size not in (None, self.deployment.block_size):
             raise NotImplementedError("block size is fixed at the engine default here")
         port = free_port()
         workdir = self.ctx.workdir
@@ -638,7 +639,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
         return reports
 
     def close(self) -> None:
-        if self.attached:
+        if self.ctx.attached:
             if self.consumer is not None:
                 self.consumer.close()
                 self.consumer = None
@@ -680,7 +681,7 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
                 "/perf_metrics keeps records only with perf_metrics_max_requests > 0 (default 0): "
                 + (
                     f"set it in the attached server's options and {PERF_METRICS_ENV}=1"
-                    if self.attached
+                    if self.ctx.attached
                     else "this instance was not started with it"
                 )
             )
@@ -759,11 +760,8 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server else []
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server else ""
-
-    def describe_logs(self) -> dict[str, str]:
-        out = {"trtllm-serve": self.log_tail(80)} if self.server else {}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        out = {"trtllm-serve": self.server.log_tail(lines)} if self.server else {}
         if self.consumer is not None and self.consumer.errors:
             out["drain errors"] = "\n".join(self.consumer.errors[-20:])
         return out

@@ -17,6 +17,7 @@ from kvconform.contract import (
     AdapterContext,
     CacheReset,
     Capability,
+    Deployment,
     EngineAdapter,
     EngineConfig,
     EngineTraits,
@@ -32,6 +33,7 @@ from kvconform.contract import (
     SaltedPrompts,
     ServedPrompt,
     apply_launch_profile,
+    log_tail,
     metric_delta,
     provides,
 )
@@ -123,8 +125,8 @@ class VllmAdapter(
 ):
     name = "vllm"
     env_spec = "vllm"
-    default_block_size = 32  # the CPU attention backend needs a multiple of 32
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2)
+    # the CPU attention backend needs a multiple of 32
+    deployment = Deployment(block_size=32, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -186,7 +188,7 @@ class VllmAdapter(
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             sockets = "attached: the suite binds none of the server's event sockets"
             tier = "attached: the offload tier is configured at launch, by the suite"
             pair = "attached: the suite launches the decode instance beside its prefill"
@@ -218,7 +220,7 @@ class VllmAdapter(
 
     def preflight(self) -> None:
         super().preflight()
-        if not self.attached and not self.profile.is_default:
+        if not self.ctx.attached and not self.profile.is_default:
             self.check_command_line()
 
     # ---- which build ------------------------------------------------------------------------
@@ -235,7 +237,7 @@ class VllmAdapter(
     def resolved_block_size(self) -> int | None:
         """The block size the running server resolved: vllm:cache_config_info's block_size label
         (vLLM's platform hooks may override the one asked for). Absent: an error, never a guess."""
-        if self.attached:
+        if self.ctx.attached:
             return None  # attached_block_size() reads the same label
         labels = self.metrics().labels_of("vllm:cache_config_info")
         if not labels or "block_size" not in labels[0]:
@@ -246,7 +248,7 @@ class VllmAdapter(
         """vllm:cache_config_info carries the server's block size as a label."""
         if self._attached_block is None:
             labels = self.metrics().labels_of("vllm:cache_config_info")
-            self._attached_block = int(labels[0]["block_size"]) if labels else self.default_block_size
+            self._attached_block = int(labels[0]["block_size"]) if labels else self.deployment.block_size
         return self._attached_block
 
     def attached_version(self) -> str:
@@ -266,13 +268,13 @@ class VllmAdapter(
                         str(engine_side_script("make_tiny_model.py")),
                         str(out),
                         "--layers",
-                        str(self.model.layers),
+                        str(self.deployment.model.layers),
                         "--heads",
-                        str(self.model.kv_heads),
+                        str(self.deployment.model.kv_heads),
                         "--kv-heads",
-                        str(self.model.kv_heads),
+                        str(self.deployment.model.kv_heads),
                         "--head-dim",
-                        str(self.model.head_dim),
+                        str(self.deployment.model.head_dim),
                         *TINY_MODEL_WEIGHTS,
                     ],
                     check=True,
@@ -316,7 +318,7 @@ class VllmAdapter(
     ) -> list[str]:
         """`serve ...`, the arguments after the program: the profile's deployment, or the tiny
         CPU model; disaggregated, the prefill's (`role` kv_producer) or the decode's."""
-        block = config.block_size or self.default_block_size
+        block = config.block_size or self.deployment.block_size
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -325,7 +327,7 @@ class VllmAdapter(
             "replay_endpoint": replay,
         }
         if self.profile.is_default:
-            dtype = TINY_MODEL_DTYPES[self.model.dtype_bytes]
+            dtype = TINY_MODEL_DTYPES[self.deployment.model.dtype_bytes]
             argv = serve_command(Path("vllm"), Path(model or self.model_dir()), block, port, dtype)[1:]
         else:
             argv = ["serve", *profile_serve_args(self.profile, block, port)]
@@ -420,7 +422,7 @@ class VllmAdapter(
     def persistent_tier(self) -> PersistentTier:
         """The fs tier's block files (vllm-lmcache's persistence is the LMCache server's, which
         outlives vLLM's restart: no files, nothing to flush on vLLM's side)."""
-        block_bytes = self.model.block_bytes(self.block_size())
+        block_bytes = self.deployment.model.block_bytes(self.block_size())
         return FileTier(self.fs_tier_dir(), "**/*.bin", block_bytes, self.flush_secondary_tier)
 
     def flush_secondary_tier(self) -> None:
@@ -449,7 +451,7 @@ class VllmAdapter(
             self.name,
             f"the {self.secondary_tier_type} tier did not settle in {FLUSH_TIMEOUT_S:.0f}s "
             f"(entries, bytes: {seen})",
-            self.log_tail(),
+            log_tail(self),
         )
 
     def command_argvs(self) -> list[list[str]]:
@@ -518,7 +520,7 @@ class VllmAdapter(
         path = self.transfer_log_file()
         if not path.is_file():
             raise EngineError(
-                self.name, f"the host-copy worker wrote no transfer log at {path}", self.log_tail()
+                self.name, f"the host-copy worker wrote no transfer log at {path}", log_tail(self)
             )
         rows = []
         for line in path.read_text().splitlines():
@@ -577,7 +579,7 @@ class VllmAdapter(
     def _offload_tier_present(self, snapshot: MetricSnapshot) -> bool:
         if not self.runs_host_tier():
             return False
-        return not self.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
+        return not self.ctx.attached or any(name.startswith("vllm:kv_offload_") for name in snapshot.samples)
 
     @provides(OffloadTier)
     def offload_tier(self) -> OffloadTier:
@@ -601,7 +603,7 @@ class VllmAdapter(
         manager allocated for stores (vLLM's allocation-size histogram sum) minus blocks whose
         bytes the connector counted as stored (store bytes / host block bytes)."""
         prepared = metric_delta(self, "offload_store_chunks_prepared", before, after)
-        stored = metric_delta(self, "offload_store_bytes", before, after) / self.model.block_bytes(
+        stored = metric_delta(self, "offload_store_bytes", before, after) / self.deployment.model.block_bytes(
             self.block_size()
         )
         return prepared - stored
@@ -724,7 +726,7 @@ class VllmAdapter(
             if not isinstance(answer, dict) or answer.get("success", True):
                 return
             if time.monotonic() > deadline:
-                raise EngineError(self.name, f"/reset_prefix_cache kept answering {answer}", self.log_tail())
+                raise EngineError(self.name, f"/reset_prefix_cache kept answering {answer}", log_tail(self))
             time.sleep(0.1)
 
     def metrics(self) -> MetricSnapshot:
@@ -737,7 +739,7 @@ class VllmAdapter(
         snap = self.metrics()
         missing = [n for n in ("vllm:num_requests_running", "vllm:num_requests_waiting") if not snap.has(n)]
         if missing:
-            raise EngineError(self.name, f"/metrics lacks {', '.join(missing)}", self.log_tail())
+            raise EngineError(self.name, f"/metrics lacks {', '.join(missing)}", log_tail(self))
         return round(snap.value("vllm:num_requests_running") + snap.value("vllm:num_requests_waiting"))
 
     def kv_pool_bytes(self) -> int:
@@ -747,7 +749,7 @@ class VllmAdapter(
             return KV_CACHE_BYTES
         if self.profile.kv_cache_bytes is not None:
             return self.profile.kv_cache_bytes
-        return self.pool_blocks() * self.model.block_bytes(self.block_size())
+        return self.pool_blocks() * self.deployment.model.block_bytes(self.block_size())
 
     def pool_blocks(self) -> int:
         if self._pool_blocks is None:
@@ -758,7 +760,9 @@ class VllmAdapter(
         return self._pool_blocks
 
     def cache_capacity_tokens(self) -> int:
-        return self.kv_pool_bytes() // self.model.block_bytes(self.block_size()) * self.block_size()
+        return (
+            self.kv_pool_bytes() // self.deployment.model.block_bytes(self.block_size()) * self.block_size()
+        )
 
     def engine_pids(self) -> list[int]:
         return self.server.pids() if self.server else []
@@ -810,9 +814,9 @@ class VllmAdapter(
             model=str(self.model_dir()),
             block_size=self.block_size(),
             num_blocks=SCHEDULER_DRIVER_BLOCKS,
-            dtype=TINY_MODEL_DTYPES[self.model.dtype_bytes],
-            kv_heads=self.model.kv_heads,
-            head_dim=self.model.head_dim,
+            dtype=TINY_MODEL_DTYPES[self.deployment.model.dtype_bytes],
+            kv_heads=self.deployment.model.kv_heads,
+            head_dim=self.deployment.model.head_dim,
             request_id=f"kvc-release-{self._released}",
             token_ids=tokens,
         )
@@ -825,15 +829,12 @@ class VllmAdapter(
         before its stats (Scheduler.update_from_output), published just after the response."""
         time.sleep(GAUGE_SETTLE_S)
         usage = self.metric("kv_usage", self.metrics())
-        return round(usage * (self.pool_blocks() - 1)) * self.model.block_bytes(self.block_size())
+        return round(usage * (self.pool_blocks() - 1)) * self.deployment.model.block_bytes(self.block_size())
 
-    def log_tail(self, lines: int = 40) -> str:
-        return self.server.log_tail(lines) if self.server else ""
-
-    def describe_logs(self) -> dict[str, str]:
-        logs = {"vllm serve": self.log_tail(80)} if self.server else {}
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        logs = {"vllm serve": self.server.log_tail(lines)} if self.server else {}
         if self.decode_server is not None:
-            logs["vllm serve (decode)"] = self.decode_server.log_tail(80)
+            logs["vllm serve (decode)"] = self.decode_server.log_tail(lines)
         return logs
 
 

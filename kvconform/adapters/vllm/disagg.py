@@ -41,6 +41,7 @@ from kvconform.contract import (
     KvTransfer,
     ServedPrompt,
     TransferResult,
+    log_tail,
     provides,
 )
 from kvconform.contract.types import LaunchProfile
@@ -171,7 +172,7 @@ class DisaggregatedPair(_Base):
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             why = f"the prefill returned no kv_transfer_params to pull from: {params!r}"
-            raise EngineError(self.name, why, self.log_tail())
+            raise EngineError(self.name, why, log_tail(self))
         before = self._decode_external_hits()
         body = {**self.completion_body(tokens, max_tokens), "return_token_ids": True}
         body["kv_transfer_params"] = params
@@ -208,7 +209,7 @@ class NixlPull(KvTransfer):
 
     def __init__(self, pair: DisaggregatedPair) -> None:
         self.pair = pair
-        self.page_sizes = (pair.default_block_size,)
+        self.page_sizes = (pair.deployment.block_size,)
 
     def transfer(
         self,

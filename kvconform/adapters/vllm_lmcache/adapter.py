@@ -22,7 +22,15 @@ from typing import Any, ClassVar
 
 from kvconform import envs
 from kvconform.adapters.vllm.adapter import VllmAdapter
-from kvconform.contract import AdapterContext, Capability, EngineConfig, ModelShape, SecondRelease, restart
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    EngineConfig,
+    ModelShape,
+    SecondRelease,
+    log_tail,
+    restart,
+)
 from kvconform.errors import EngineError
 from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.restart_churn import RestartChurn
@@ -96,7 +104,9 @@ class VllmLmcacheAdapter(VllmAdapter):
     # model's greedy answer (measured: 3 of 40, 1 of 60 repeats under load answered otherwise
     # from their first tokens; the second warm answer always equal to the first). In float32
     # 0 of 120. What is judged (answer_from_cache_vs_cold) is unchanged. 4 bytes: --dtype float32.
-    model: ModelShape = ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=4)
+    deployment = replace(
+        VllmAdapter.deployment, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=4)
+    )
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
@@ -109,7 +119,7 @@ class VllmLmcacheAdapter(VllmAdapter):
 
     def preflight(self) -> None:
         super().preflight()
-        if not self.attached:
+        if not self.ctx.attached:
             envs.find(self.server_env_spec())
 
     def server_env_spec(self) -> str:
@@ -205,7 +215,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         """vLLM against the LMCache server; `persistent` is what the server always gives."""
         if config.offload:
             raise NotImplementedError("vllm-lmcache: the connector owns --kv-transfer-config")
-        self._ensure_lmcache(config.block_size or self.default_block_size)
+        self._ensure_lmcache(config.block_size or self.deployment.block_size)
         super().start(config.with_(persistent=False))
         self.config = config
         self._wait_registered()
@@ -221,7 +231,7 @@ class VllmLmcacheAdapter(VllmAdapter):
         raise EngineError(
             self.name,
             f"vLLM is serving but never registered with the LMCache server ({timeout_s:.0f} s)",
-            self.log_tail(),
+            log_tail(self),
         )
 
     def _stop_lmcache(self) -> None:
@@ -244,7 +254,7 @@ class VllmLmcacheAdapter(VllmAdapter):
     def cache_capacity_tokens(self) -> int:
         """What the stack holds before a prefix is gone from it: vLLM's pool or the LMCache
         server's L1 (its chunks are vLLM's blocks, in vLLM's dtype), whichever is larger."""
-        l1_tokens = int(L1_GB * 2**30) // self.model.kv_bytes_per_token()
+        l1_tokens = int(L1_GB * 2**30) // self.deployment.model.kv_bytes_per_token()
         return max(super().cache_capacity_tokens(), l1_tokens)
 
     def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
@@ -312,16 +322,10 @@ class VllmLmcacheAdapter(VllmAdapter):
             raise EngineError(self.name, f"LMCache GET /status lists none of {REGISTERED_KEYS}: {answer}")
         return sorted({instance for ids in registries for instance in ids})
 
-    def log_tail(self, lines: int = 40) -> str:
-        tail = super().log_tail(lines)
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        logs = super().logs(lines)
         if self.lmcache is not None:
-            tail += "\n--- lmcache server ---\n" + self.lmcache.log_tail(lines // 2)
-        return tail
-
-    def describe_logs(self) -> dict[str, str]:
-        logs = super().describe_logs()
-        if self.lmcache is not None:
-            logs["lmcache server"] = self.lmcache.log_tail(80)
+            logs["lmcache server"] = self.lmcache.log_tail(lines)
         return logs
 
 

@@ -45,7 +45,7 @@ class VllmObjAdapter(VllmAdapter):
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
-        if self.attached:
+        if self.ctx.attached:
             tier = "attached: the obj tier and its S3 server are configured at launch, by the suite"
             gaps |= {C.PERSISTENT_PREFIX: tier, C.REMOTE_TIER: tier}
         return gaps
@@ -85,7 +85,7 @@ class VllmObjAdapter(VllmAdapter):
     @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """The bucket's objects, one block each (obj/manager.py: a block's bytes, no header)."""
-        block_bytes = self.model.block_bytes(self.block_size())
+        block_bytes = self.deployment.model.block_bytes(self.block_size())
         return StoreTier(self.remote_tier(), block_bytes, self.flush_secondary_tier)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -102,8 +102,8 @@ class VllmObjAdapter(VllmAdapter):
         if report is not None and not report.clean:
             raise EngineError(self.name, f"S3 server teardown: {report.describe()}")
 
-    def describe_logs(self) -> dict[str, str]:
-        logs = super().describe_logs()
+    def logs(self, lines: int = 80) -> dict[str, str]:
+        logs = super().logs(lines)
         if self.s3 is not None:
-            logs["s3 server (moto)"] = self.s3.log_tail(40)
+            logs["s3 server (moto)"] = self.s3.log_tail(lines)
         return logs

@@ -54,7 +54,7 @@ class Bounds:
 
 
 def bounds_for(config: pytest.Config, engine: EngineAdapter) -> Bounds:
-    half_block = engine.model.block_bytes(engine.block_size()) / 2
+    half_block = engine.deployment.model.block_bytes(engine.block_size()) / 2
     slope = config.getoption("--leak-slope-bytes")
     tolerance = config.getoption("--memory-tolerance-bytes")
     return Bounds(

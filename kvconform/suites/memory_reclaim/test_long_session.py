@@ -83,7 +83,7 @@ def test_long_session_bounded(
     judged = converse(engine, prompts, turns)
     rss, exact, cached, history = judged.rss, judged.exact, judged.cached, judged.history
     turn_tokens = OUTPUT_TOKENS + NEW_TOKENS_PER_TURN
-    turn_kv = engine.model.kv_bytes_per_token() * turn_tokens
+    turn_kv = engine.deployment.model.kv_bytes_per_token() * turn_tokens
     pool = engine.facet(KvPool).kv_pool_bytes()
     bound = pool + NOISY_TOLERANCE_BYTES
     growth = rss[-1] - min(rss[:WARMUP_TURNS])

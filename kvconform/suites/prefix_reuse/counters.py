@@ -44,6 +44,6 @@ def resolved_block_size(engine: EngineAdapter) -> int | None:
     value = engine.resolved_block_size()
     if value is not None:
         return int(value)
-    if engine.attached and (reported := attached_server(engine).attached_block_size()) is not None:
+    if engine.ctx.attached and (reported := attached_server(engine).attached_block_size()) is not None:
         return reported
     return None

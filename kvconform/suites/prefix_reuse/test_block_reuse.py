@@ -37,7 +37,7 @@ def requested_block_size(engine: EngineAdapter) -> int:
     return (
         config.block_size
         if config is not None and config.block_size is not None
-        else engine.default_block_size
+        else engine.deployment.block_size
     )
 
 
@@ -123,10 +123,10 @@ def test_partial_block_prefix_hits_match_oracle(
     engine: EngineAdapter, has, block_size: int, prompts: PromptFactory, verdict: Verdict
 ) -> None:
     """50 % shared prefix whose length is not a multiple of the block: hits = whole blocks."""
-    if block_size != engine.default_block_size and not has(C.BLOCK_SIZE_CONFIG):
+    if block_size != engine.deployment.block_size and not has(C.BLOCK_SIZE_CONFIG):
         pytest.skip(
             f"engine {engine.name} lacks capability block_size_config "
-            f"(runs at block size {engine.default_block_size})"
+            f"(runs at block size {engine.deployment.block_size})"
         )
     engine.ensure(EngineConfig(block_size=block_size))
     if has(C.RESET_PREFIX_CACHE):

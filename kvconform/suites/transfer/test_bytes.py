@@ -51,11 +51,11 @@ def test_transfer_bytes_reconcile(
     result = transfer.transfer(tokens, layout, page_size, destinations)
     kv_layout = KvLayout(layout)
     pages = math.ceil(len(tokens) / page_size)
-    page_bytes = engine.model.page_bytes(kv_layout, page_size)
+    page_bytes = engine.deployment.model.page_bytes(kv_layout, page_size)
     # The request's state: one index per component, components of different sizes
     # (ModelShape.state_components), so its bytes are the sum of the components' own sizes.
-    state_indices = len(engine.model.state_components) if layout == "mla_state" else 0
-    request_state_bytes = engine.model.state_bytes(kv_layout)
+    state_indices = len(engine.deployment.model.state_components) if layout == "mla_state" else 0
+    request_state_bytes = engine.deployment.model.state_bytes(kv_layout)
     expected = transfer_bytes(
         kv_layout, pages, page_bytes, int(state_indices > 0), request_state_bytes, destinations
     )

@@ -20,7 +20,7 @@ def test_handoff_time_matches_bytes_over_bandwidth(engine: EngineAdapter, verdic
     replay = engine.facet(TraceReplay)
     if not replay.simulates_handoff:
         pytest.skip(f"engine {engine.name}'s replay has no disaggregated hand-off")
-    bytes_per_token = engine.model.kv_bytes_per_token()
+    bytes_per_token = engine.deployment.model.kv_bytes_per_token()
     trace = build_trace()
     setup = ReplaySetup(BLOCK, CACHE_BLOCKS, True, bytes_per_token, BANDWIDTH_GBPS)
     rows = sorted(replay.replay(trace, setup), key=lambda r: r.arrival_ms)

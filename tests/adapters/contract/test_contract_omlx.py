@@ -244,7 +244,7 @@ def test_launch_command_keeps_everything_in_the_work_dir(tmp_path: Path, monkeyp
     assert opts["--api-key"] != OmlxAdapter(AdapterContext(workdir=work)).api_key
     assert (
         adapter.cache_capacity_tokens()
-        == int(opts["--paged-ssd-cache-max-size"]) // (adapter.model.block_bytes(256)) * 256
+        == int(opts["--paged-ssd-cache-max-size"]) // (adapter.deployment.model.block_bytes(256)) * 256
     )
 
 

@@ -134,7 +134,7 @@ def test_flush_cache_http_500_is_not_retried(sglang: SglangServerAdapter, fake_s
 def test_server_info_gives_version_page_size_and_capacity(sglang: SglangServerAdapter) -> None:
     assert sglang.version == "0.5.23+contract-fake"
     assert sglang.block_size() == 32
-    assert sglang.default_block_size == 32  # the attached server's page size
+    assert sglang.deployment.block_size == 32  # the attached server's page size
     assert sglang.cache_capacity_tokens() == 4096
 
 

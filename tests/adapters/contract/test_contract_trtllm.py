@@ -136,7 +136,7 @@ def test_block_pool_stats_read_from_drained_metrics(trtllm: TrtllmAdapter, fake_
     assert last.hit_rate == pytest.approx(4 / (10 + warmup), abs=1e-6)
     assert all(p.cumulative for p in pools)
     assert trtllm.resolved_block_size() == 8  # the fake's pool; asked for: the default
-    assert trtllm.block_size() == trtllm.default_block_size
+    assert trtllm.block_size() == trtllm.deployment.block_size
     # drained: the server holds nothing more, yet the adapter still has every iteration
     assert fake_trtllm.iterations == []
     assert len(trtllm.block_pool_stats()) == 4

@@ -28,7 +28,7 @@ def adapter_class(monkeypatch: pytest.MonkeyPatch) -> Iterator[type]:
 
 def test_registration_accepts_the_llamacpp_adapter(adapter_class: type) -> None:
     assert describe_missing("llamacpp", adapter_class) is None
-    assert adapter_class.default_block_size == 1  # token-granular slot reuse, no blocks
+    assert adapter_class.deployment.block_size == 1  # token-granular slot reuse, no blocks
 
 
 def test_the_entry_point_and_env_spec_ship_with_the_package() -> None:

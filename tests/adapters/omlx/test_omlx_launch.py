@@ -52,7 +52,7 @@ def test_launch_serve_and_teardown_keep_to_the_work_dir(tmp_path: Path, monkeypa
         adapter.persistent_tier().flush()
         files = adapter.persistent_tier().files()
         assert len(files) == 2  # the partial block (40 tokens) is not stored
-        block_bytes = adapter.model.block_bytes(BLOCK_SIZE)
+        block_bytes = adapter.deployment.model.block_bytes(BLOCK_SIZE)
         assert all(block_bytes <= f.stat().st_size < block_bytes + 4096 for f in files)
         assert adapter.clear_hot_cache() == 0  # the route exists; the hot cache is off
         stats = adapter.session_stats()
