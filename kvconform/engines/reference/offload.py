@@ -125,14 +125,21 @@ class HostTier:
             self.pending_reads += 1
             self._note(loads=1)
             self.reads_scheduled += 1
+            source = chunk
+            if "host_load_from_neighbour" in self.faults:
+                keys = list(self.chunks)
+                where = keys.index(key)
+                # the chunk beside it in the tier's order (the one after it where it is first)
+                beside = self.chunks[keys[where - 1 if where else min(1, len(keys) - 1)]]
+                source = beside if beside.ready else chunk
             self.chunks.move_to_end(key)
         done = threading.Event()
         result: list[torch.Tensor] = []
 
         def job() -> None:
             time.sleep(self.load_delay_s)
-            assert chunk.data is not None
-            result.append(chunk.data.clone())
+            assert source.data is not None
+            result.append(source.data.clone())
             with self.lock:
                 self._note(loads=-1)
                 self.load_bytes += self._bytes_counted()

@@ -28,6 +28,7 @@ from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.suites.offload_metrics.gauges import GaugeSampler
+from kvconform.suites.prefix_reuse.answers import answer_tokens
 
 PROMPTS = 6
 IDLE_WATCH_S = 6.0
@@ -39,7 +40,8 @@ class OffloadRun:
     before: MetricSnapshot
     after: MetricSnapshot
     prompts: list[list[int]]
-    reserved: list[ServedPrompt]
+    cold: list[ServedPrompt]  # each prompt's first serve, computed in full
+    reserved: list[ServedPrompt]  # served again, from the host tier
     load_ended_at: float
     expected_stored_blocks: int
     expected_host_hit_tokens: int
@@ -48,14 +50,16 @@ class OffloadRun:
 
 def drive(
     engine: EngineAdapter, prompts: PromptFactory, sampler: GaugeSampler
-) -> tuple[list[list[int]], list[ServedPrompt]]:
+) -> tuple[list[list[int]], list[ServedPrompt], list[ServedPrompt]]:
     block = engine.block_size()
+    # Where the answer is judged, ANSWER_TOKENS of it: fewer than 8 * block + 5 needs to fill
+    # the last block, so the blocks stored stay the prompt's.
+    answer = answer_tokens(lambda capability: capability in supported(engine))
     batch = [prompts.fresh(8 * block + 5) for _ in range(PROMPTS)]
-    for tokens in batch:
-        engine.serve_prompt(tokens)
+    cold = [engine.serve_prompt(tokens, answer) for tokens in batch]
     engine.facet(OffloadTier).wait_idle()
     drop_from_device(engine, prompts)
-    return batch, [engine.serve_prompt(tokens) for tokens in batch]
+    return batch, cold, [engine.serve_prompt(tokens, answer) for tokens in batch]
 
 
 def drop_from_device(engine: EngineAdapter, prompts: PromptFactory) -> None:
@@ -77,7 +81,7 @@ def offload_run(engine: EngineAdapter) -> Iterator[OffloadRun]:
     prompts = PromptFactory(f"offload-{engine.name}-{time.time_ns()}")
     before = engine.metrics()
     with GaugeSampler(engine) as sampler:
-        batch, reserved = drive(engine, prompts, sampler)
+        batch, cold, reserved = drive(engine, prompts, sampler)
         ended = sampler.now()
         time.sleep(IDLE_WATCH_S)
     block = engine.block_size()
@@ -86,6 +90,7 @@ def offload_run(engine: EngineAdapter) -> Iterator[OffloadRun]:
         before=before,
         after=engine.metrics(),
         prompts=batch,
+        cold=cold,
         reserved=reserved,
         load_ended_at=ended,
         expected_stored_blocks=sum(len(t) // block for t in batch),

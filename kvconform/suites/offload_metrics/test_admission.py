@@ -12,6 +12,8 @@ the host tier after the device cache is reset, one offered fewer times does not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier
@@ -19,6 +21,7 @@ from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.answers import answer_tokens, judge_same_answer
 
 THRESHOLD = 2
 
@@ -29,18 +32,19 @@ pytestmark = [
 
 
 def test_store_threshold_counts_offers(
-    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has: Callable[[C], bool]
 ) -> None:
     engine.ensure(EngineConfig(offload=True, offload_store_threshold=THRESHOLD))
     block = engine.block_size()
     once = prompts.fresh(8 * block + 5)
     hot = prompts.fresh(8 * block + 5)
+    answer = answer_tokens(has)
     engine.serve_prompt(once)
-    served_hot = [engine.serve_prompt(hot) for _ in range(THRESHOLD)]
+    served_hot = [engine.serve_prompt(hot, answer) for _ in range(THRESHOLD)]
     engine.facet(OffloadTier).wait_idle()
     engine.facet(CacheReset).reset_prefix_cache()
     once_again = engine.serve_prompt(once)
-    hot_again = engine.serve_prompt(hot)
+    hot_again = engine.serve_prompt(hot, answer)
     verdict.require(
         "device_hit_tokens_on_hot_repeat",
         served_hot[-1].cached_tokens,
@@ -62,4 +66,5 @@ def test_store_threshold_counts_offers(
         "tokens",
         note=f"offered {THRESHOLD} times while resident on the device: every full block was stored",
     )
+    judge_same_answer(verdict, "answer_from_host_vs_cold", hot_again, served_hot[0], has)
     verdict.conclude()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -19,6 +20,7 @@ from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
 from kvconform.suites.offload_metrics.gauges import GaugeSampler, gauge_vs_transfers, in_flight_windows
+from kvconform.suites.prefix_reuse.answers import agreeing_tokens, judge_same_answer
 
 # Gated per check: the host-hit check needs no gauges, only what it reads.
 pytestmark = pytest.mark.engine_config(offload=True)
@@ -157,7 +159,7 @@ def test_offload_byte_counters_match_blocks(
 
 @pytest.mark.requires(C.OFFLOAD_HOST_HITS)
 def test_offloaded_prefix_returns_as_host_hit(
-    engine: EngineAdapter, offload_run: OffloadRun, verdict: Verdict
+    engine: EngineAdapter, offload_run: OffloadRun, verdict: Verdict, has: Callable[[C], bool]
 ) -> None:
     expected = offload_run.expected_host_hit_tokens
     cached = sum(s.cached_tokens for s in offload_run.reserved)
@@ -179,6 +181,12 @@ def test_offloaded_prefix_returns_as_host_hit(
     if "external_prefix_hits" in engine.metric_map:
         external = metric_delta(engine, "external_prefix_hits", offload_run.before, offload_run.after)
         verdict.equal("external_prefix_hits_delta", external, expected, "tokens")
+    # A host hit that loads the wrong bytes, or into the wrong slots, counts right: only the
+    # answer shows it. The prompt whose answers agree least is judged.
+    hit, cold = min(
+        zip(offload_run.reserved, offload_run.cold, strict=True), key=lambda p: agreeing_tokens(*p)
+    )
+    judge_same_answer(verdict, "answer_from_host_vs_cold", hit, cold, has)
     verdict.conclude()
 
 

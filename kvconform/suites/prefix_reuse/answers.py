@@ -32,6 +32,14 @@ def answer_tokens(has: Callable[[C], bool]) -> int:
     return ANSWER_TOKENS if has(C.ANSWERS_FROM_KV) else 1
 
 
+def agreeing_tokens(a: ServedPrompt, b: ServedPrompt) -> int:
+    """How many greedy tokens two answers agree on before they first differ."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a.output, b.output, strict=False)) if x != y),
+        min(len(a.output), len(b.output)),
+    )
+
+
 def judge_same_answer(
     verdict: Verdict, name: str, cached: ServedPrompt, uncached: ServedPrompt, has: Callable[[C], bool]
 ) -> None:
@@ -46,10 +54,7 @@ def judge_same_answer(
         "tokens",
         note="the engine must return the answer's token ids",
     )
-    agreeing = next(
-        (i for i, (a, b) in enumerate(zip(cached.output, uncached.output, strict=False)) if a != b),
-        min(len(cached.output), len(uncached.output)),
-    )
+    agreeing = agreeing_tokens(cached, uncached)
     verdict.expect(
         name,
         agreeing,

@@ -23,16 +23,17 @@ from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.announced import stored_while
+from kvconform.suites.prefix_reuse.answers import answer_tokens, judge_same_answer
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.CACHE_SALT)
 
 
 def _served_and_stored(
-    engine: EngineAdapter, prompt: list[int], salt: str, events: bool
+    engine: EngineAdapter, prompt: list[int], salt: str, events: bool, answer: int = 1
 ) -> tuple[ServedPrompt, set[str]]:
     if not events:
-        return engine.facet(SaltedPrompts).serve_salted(prompt, salt), set()
-    return stored_while(engine, lambda: engine.facet(SaltedPrompts).serve_salted(prompt, salt))
+        return engine.facet(SaltedPrompts).serve_salted(prompt, salt, answer), set()
+    return stored_while(engine, lambda: engine.facet(SaltedPrompts).serve_salted(prompt, salt, answer))
 
 
 def test_cache_salt_isolates_prefix_and_event_hashes(
@@ -44,9 +45,10 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
     prompt = prompts.fresh(4 * block + block // 2)
     whole_blocks = len(prompt) // block
     salt_a, salt_b = f"tenant-a-{prompts.fresh(1)[0]}", f"tenant-b-{prompts.fresh(1)[0]}"
-    _, stored_a = _served_and_stored(engine, prompt, salt_a, events)
+    answer = answer_tokens(has)
+    first_a, stored_a = _served_and_stored(engine, prompt, salt_a, events, answer)
     served_b, stored_b = _served_and_stored(engine, prompt, salt_b, events)
-    again_a = engine.facet(SaltedPrompts).serve_salted(prompt, salt_a)
+    again_a = engine.facet(SaltedPrompts).serve_salted(prompt, salt_a, answer)
     if events:
         verdict.require("blocks_announced_salt_a", len(stored_a), ">=", whole_blocks, "blocks")
         verdict.require("blocks_announced_salt_b", len(stored_b), ">=", whole_blocks, "blocks")
@@ -73,4 +75,5 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
         "tokens",
         note="the salt's own repeat is still served from cache",
     )
+    judge_same_answer(verdict, "answer_from_cache_same_salt_vs_cold", again_a, first_a, has)
     verdict.conclude()

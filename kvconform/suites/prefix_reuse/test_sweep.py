@@ -3,14 +3,17 @@ block-granularity oracle, with a plot for the report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, ServedPrompt
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.report import attach_png, plot_sweep
 from kvconform.results import Verdict
+from kvconform.suites.prefix_reuse.answers import agreeing_tokens, answer_tokens, judge_same_answer
 
 pytestmark = pytest.mark.requires(C.PREFIX_CACHE, C.BLOCK_SIZE_CONFIG, C.RESET_PREFIX_CACHE)
 
@@ -22,9 +25,15 @@ PROMPT_TOKENS = 640
 
 
 @pytest.mark.engine_config(block_size=BLOCK_SIZES[0], varies=True)
-def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
+def test_block_size_sweep(
+    engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has: Callable[[C], bool]
+) -> None:
     curves: dict[int, list[tuple[float, float, float]]] = {}
     off_oracle = []
+    answer = answer_tokens(has)
+    # Each hit's answer against the same prompt computed after a reset; the point whose two
+    # answers agree least is judged.
+    pairs: list[tuple[ServedPrompt, ServedPrompt]] = []
     for block in BLOCK_SIZES:
         engine.ensure(EngineConfig(block_size=block))
         curve = []
@@ -33,7 +42,11 @@ def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict
             shared = int(PROMPT_TOKENS * fraction)
             prefix = prompts.fresh(shared)
             engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
-            result = engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
+            second = prompts.extend(prefix, PROMPT_TOKENS)
+            result = engine.serve_prompt(second, answer)
+            if has(C.ANSWERS_FROM_KV):
+                engine.facet(CacheReset).reset_prefix_cache()
+                pairs.append((result, engine.serve_prompt(second, answer)))
             expected = prefix_hit_tokens(shared, PROMPT_TOKENS, block, engine.traits.recomputes_last_token)
             curve.append((fraction, result.cached_tokens / shared, expected / shared))
             if result.cached_tokens != expected:
@@ -46,4 +59,7 @@ def test_block_size_sweep(engine: EngineAdapter, prompts: PromptFactory, verdict
         )
     attach_png("block size sweep", plot_sweep(dict(sorted(curves.items()))))
     verdict.equal("points_off_oracle", len(off_oracle), 0, note="; ".join(off_oracle[:8]))
+    if pairs:
+        hit, cold = min(pairs, key=lambda pair: agreeing_tokens(*pair))
+        judge_same_answer(verdict, "answer_from_cache_vs_after_reset", hit, cold, has)
     verdict.conclude()
