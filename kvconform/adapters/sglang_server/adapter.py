@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from packaging.version import InvalidVersion, Version
 
 from kvconform import envs
 from kvconform.adapters.sglang.common import MODEL, int_field
@@ -497,6 +498,15 @@ class SglangServerAdapter(
         answer = self.post_json("/generate", self.generate_body(tokens, max_tokens))
         return self.served_from_generate(answer, tokens)
 
+    def salted_answers(self) -> bool:
+        """/v1/completions returns the answer's token ids on `return_token_ids` in the pinned
+        0.5.23 (protocol.py CompletionRequest; sgl-project/sglang#30917): not assumed of the
+        older releases the history runs, nor of an attached server."""
+        try:
+            return Version(self.version) >= Version("0.5.23")
+        except InvalidVersion:
+            return False
+
     def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
         """The OpenAI completions field `cache_salt`: the one salt field every release from
         0.5.17 has (protocol.py CompletionRequest; /generate takes `cache_salt` only from
@@ -504,6 +514,8 @@ class SglangServerAdapter(
         which the server reports with --enable-cache-report."""
         model = self.profile.served_model_name or SERVER_MODEL_NAME
         body = {**self.completion_body(tokens, max_tokens), "model": model, "cache_salt": salt}
+        if self.salted_answers():
+            body["return_token_ids"] = True
         data = self.post_json("/v1/completions", body)
         usage = data.get("usage") if isinstance(data, dict) else None
         if (

@@ -10,6 +10,11 @@ from kvconform.contract.types import ServedPrompt
 class SaltedPrompts(ABC):
     """The engine's documented per-request cache salt (CACHE_SALT)."""
 
+    def salted_answers(self) -> bool:
+        """serve_salted returns the answer's token ids (ServedPrompt.output), as serve_prompt
+        does with ANSWERS_FROM_KV; False where the engine's salted path cannot."""
+        return True
+
     @abstractmethod
     def serve_salted(self, tokens: list[int], salt: str, max_tokens: int = 1) -> ServedPrompt:
         """serve_prompt under `salt`, which keeps the prompt's cached prefix apart from every

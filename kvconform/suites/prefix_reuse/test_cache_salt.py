@@ -75,5 +75,12 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
         "tokens",
         note="the salt's own repeat is still served from cache",
     )
-    judge_same_answer(verdict, "answer_from_cache_same_salt_vs_cold", again_a, first_a, has)
+    if engine.facet(SaltedPrompts).salted_answers():
+        judge_same_answer(verdict, "answer_from_cache_same_salt_vs_cold", again_a, first_a, has)
+    elif has(C.ANSWERS_FROM_KV):
+        verdict.record(
+            "answer_from_cache_same_salt_vs_cold",
+            "not judged",
+            note=f"engine {engine.name}: its salted path returns no token ids",
+        )
     verdict.conclude()

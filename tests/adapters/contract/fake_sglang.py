@@ -169,7 +169,7 @@ class FakeSglang(FakeServer):
     # key is present as null when nothing was cached.
     # entrypoints/openai/serving_completions.py with --enable-cache-report: usage carries
     # prompt_tokens_details.cached_tokens; `cache_salt` (protocol.py CompletionRequest) keeps a
-    # salt's pages apart.
+    # salt's pages apart; `return_token_ids` adds the answer's ids to the choice.
     def _completions(self, q: dict, body: Any, h: dict) -> Reply:
         if not isinstance(body, dict) or not isinstance(body.get("prompt"), list):
             return 400, {"error": "prompt must be a list of token ids here"}, {}
@@ -184,7 +184,10 @@ class FakeSglang(FakeServer):
             "total_tokens": len(ids) + n_out,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-        return 200, {"choices": [{"index": 0, "text": " w17" * n_out}], "usage": usage}, {}
+        choice: dict[str, Any] = {"index": 0, "text": " w17" * n_out}
+        if body.get("return_token_ids"):  # 0.5.23 protocol.py CompletionResponseChoice.token_ids
+            choice["token_ids"] = [17 + i % 5 for i in range(n_out)]
+        return 200, {"choices": [choice], "usage": usage}, {}
 
     def _generate(self, q: dict, body: Any, h: dict) -> Reply:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list):
