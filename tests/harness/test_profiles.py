@@ -344,7 +344,7 @@ def test_vllm_requests_in_flight_reads_the_scheduler_gauges(tmp_path: Path, monk
         "vllm:num_requests_waiting": {frozenset({("engine", "0")}): 1.0},
     }
     monkeypatch.setattr(adapter, "metrics", lambda: snap)
-    monkeypatch.setattr(adapter, "log_tail", lambda: "")
+    monkeypatch.setattr(adapter, "logs", lambda lines=80: {})
     assert adapter.requests_in_flight() == 4
     del snap.samples["vllm:num_requests_waiting"]
     with pytest.raises(EngineError, match="vllm:num_requests_waiting"):
