@@ -20,7 +20,7 @@ from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
 from kvconform.suites.offload_metrics.gauges import GaugeSampler, gauge_vs_transfers, in_flight_windows
-from kvconform.suites.prefix_reuse.answers import agreeing_tokens, judge_same_answer
+from kvconform.suites.prefix_reuse.answers import judge_least_agreeing
 
 # Gated per check: the host-hit check needs no gauges, only what it reads.
 pytestmark = pytest.mark.engine_config(offload=True)
@@ -182,11 +182,9 @@ def test_offloaded_prefix_returns_as_host_hit(
         external = metric_delta(engine, "external_prefix_hits", offload_run.before, offload_run.after)
         verdict.equal("external_prefix_hits_delta", external, expected, "tokens")
     # A host hit that loads the wrong bytes, or into the wrong slots, counts right: only the
-    # answer shows it. The prompt whose answers agree least is judged.
-    hit, cold = min(
-        zip(offload_run.reserved, offload_run.cold, strict=True), key=lambda p: agreeing_tokens(*p)
-    )
-    judge_same_answer(verdict, "answer_from_host_vs_cold", hit, cold, has)
+    # answer shows it.
+    pairs = list(zip(offload_run.reserved, offload_run.cold, strict=True))
+    judge_least_agreeing(verdict, "answer_from_host_vs_cold", pairs, has)
     verdict.conclude()
 
 

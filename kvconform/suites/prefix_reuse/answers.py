@@ -17,7 +17,7 @@ degenerate either way (one token 8 times) agrees whatever the KV: nothing can re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvconform.contract import Capability as C
 from kvconform.contract import ServedPrompt
@@ -64,3 +64,16 @@ def judge_same_answer(
         note=f"greedy tokens agreeing before the first difference: from cache {cached.output} "
         f"vs computed without it {uncached.output}",
     )
+
+
+def judge_least_agreeing(
+    verdict: Verdict,
+    name: str,
+    pairs: Sequence[tuple[ServedPrompt, ServedPrompt]],
+    has: Callable[[C], bool],
+) -> None:
+    """Of several (from cache, computed without it) pairs, the one whose answers agree least
+    is judged: one wrong hit among many must show."""
+    if pairs:
+        cached, uncached = min(pairs, key=lambda pair: agreeing_tokens(*pair))
+        judge_same_answer(verdict, name, cached, uncached, has)

@@ -103,14 +103,17 @@ def test_router_prediction_matches_worker(
         engine.facet(KvEvents).drain_events()
         published = len(engine.ledger.since(mark))
     router = engine.facet(KvRouter)
-    applied = router.router_event_status(before, engine.metrics())
-    if applied is not None and published is not None:
+
+    def applied_now() -> dict[str, float] | None:
+        return router.router_event_status(before, engine.metrics())
+
+    if published is not None:
         # The router's indexer applies the events asynchronously: its count may still rise.
         poll_until(
-            lambda: (router.router_event_status(before, engine.metrics()) or {}).get("ok", 0.0) >= published,
+            lambda: (now := applied_now()) is None or now.get("ok", 0.0) >= published,
             timeout_s=engine.traits.event_settle_s + 2.0,
         )
-        applied = router.router_event_status(before, engine.metrics())
+    applied = applied_now()
     if applied is not None:
         failed = {status: n for status, n in applied.items() if status != "ok" and n}
         if published is not None:
