@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -37,6 +37,7 @@ class MetricSnapshot:
     taken_at: float
     samples: dict[str, dict[LabelSet, float]] = field(default_factory=dict)
     note: str = ""  # what was odd about the scrape (an empty body), for error messages
+    source: str = "the scrape"  # where it came from (/metrics), for error messages
 
     def names(self) -> list[str]:
         return sorted(self.samples)
@@ -76,29 +77,70 @@ class MetricSnapshot:
         return out
 
 
+class MetricAbsent(EngineError, KeyError):
+    """A metric the engine should export is not in the scrape: an error naming the engine and
+    the metric, never a 0 (a KeyError too, for code that looks a name up)."""
+
+    def __str__(self) -> str:
+        return EngineError.__str__(self)
+
+
+LazyWhen = Callable[[str, MetricSnapshot], bool]
+
+
 @dataclass(frozen=True)
 class MetricMap:
     """An engine's names for the suite's logical metrics: logical -> Prometheus sample name,
-    with fixed labels as 'name{label=value,...}'. `lazy`: the counters the engine exports only
-    after their first event (absent reads 0; any other absent metric is an error)."""
+    with fixed labels as 'name{label=value,...}', or a tuple of such names whose samples the
+    logical metric sums (an engine that splits one quantity over two counters).
 
-    names: Mapping[str, str] = field(default_factory=dict)
+    `lazy`: the counters the engine exports only after their first event (absent reads 0; any
+    other absent metric is an error). `lazy_when(logical, snapshot)`: the same, where whether
+    a counter exists yet depends on what the running engine was asked to do (vLLM's offload
+    metrics). `unmapped`: logical -> why this engine (release) has no name for it, for the
+    error a check that asks gets."""
+
+    names: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     lazy: frozenset[str] = frozenset()
+    lazy_when: LazyWhen | None = None
+    unmapped: Mapping[str, str] = field(default_factory=dict)
 
     def __contains__(self, logical: object) -> bool:
         return logical in self.names
 
+    def sample_names(self, logical: str) -> tuple[str, ...]:
+        """The Prometheus sample names (labels left off) that `logical` reads."""
+        spec = self.names[logical]
+        return tuple(s.partition("{")[0] for s in ((spec,) if isinstance(spec, str) else spec))
+
     def read(self, engine: str, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
         spec = self.names.get(logical)
         if spec is None:
-            raise NotImplementedError(f"engine {engine} maps no metric for {logical!r}")
+            why = self.unmapped.get(logical)
+            raise NotImplementedError(
+                f"engine {engine}: {why}" if why else f"engine {engine} maps no metric for {logical!r}"
+            )
+        return sum(
+            self._read_one(engine, logical, one, snapshot, dict(labels))
+            for one in ((spec,) if isinstance(spec, str) else spec)
+        )
+
+    def _read_one(
+        self, engine: str, logical: str, spec: str, snapshot: MetricSnapshot, labels: dict[str, str]
+    ) -> float:
         name, _, label_text = spec.partition("{")
         for pair in filter(None, label_text.rstrip("}").split(",")):
             key, _, value = pair.partition("=")
             labels.setdefault(key.strip(), value.strip().strip('"'))
-        if logical in self.lazy and not snapshot.has(name):
+        if snapshot.has(name):
+            return snapshot.value(name, None, **labels)
+        if logical in self.lazy or (self.lazy_when is not None and self.lazy_when(logical, snapshot)):
             return 0.0  # a counter the engine creates on first use: absent means 0
-        return snapshot.value(name, None, **labels)
+        why = f"; {snapshot.note}" if snapshot.note else ""
+        raise MetricAbsent(
+            engine,
+            f"{snapshot.source} lacks {name} (logical {logical!r}; have {len(snapshot.samples)} others){why}",
+        )
 
 
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
@@ -138,7 +180,7 @@ def parse_prometheus(text: str, engine: str = "?", source: str = "/metrics") -> 
     included, with a newline) is an EngineError: a cut `name 12` would otherwise parse as a
     smaller number than the engine sent. An empty body is an empty snapshot (engines create
     some metrics on first use) that says so when a check asks it for a metric."""
-    snapshot = MetricSnapshot(taken_at=time.time())
+    snapshot = MetricSnapshot(taken_at=time.time(), source=source)
     if not text.strip():
         snapshot.note = f"{engine} {source} answered an empty body ({len(text)} bytes)"
         return snapshot

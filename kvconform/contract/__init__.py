@@ -10,6 +10,7 @@ from kvconform.contract.adapter import (
     log_tail,
     metric_delta,
     provides,
+    read_metric,
     restart,
     supported,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "metric_delta",
     "poll_until",
     "provides",
+    "read_metric",
     "restart",
     "seconds_until_steady",
     "supported",

@@ -71,7 +71,7 @@ class EngineAdapter(ABC):
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     deployment: Deployment = Deployment()  # what the oracles compute from (a profile may set it)
     traits: ClassVar[EngineTraits] = EngineTraits()  # where oracles and waits follow the engine's design
-    metric_map: ClassVar[MetricMap] = MetricMap()  # the suite's logical metrics, in this engine's names
+    metric_map: MetricMap = MetricMap()  # the suite's logical metrics, in this engine's names
 
     def __init__(self, ctx: AdapterContext) -> None:
         self.ctx = ctx
@@ -176,10 +176,6 @@ class EngineAdapter(ABC):
     def metrics(self) -> MetricSnapshot:
         raise NotImplementedError
 
-    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        """A logical metric, through this engine's name for it (metric_map)."""
-        return self.metric_map.read(self.name, logical, snapshot, **labels)
-
     def healthy(self) -> bool:
         """Whether the engine answers now (after a request failed: the next check relaunches
         it if not)."""
@@ -234,10 +230,15 @@ def restart(adapter: EngineAdapter) -> list[TeardownReport]:
     return reports
 
 
+def read_metric(adapter: EngineAdapter, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
+    """A logical metric, through this engine's name for it (its metric_map)."""
+    return adapter.metric_map.read(adapter.name, logical, snapshot, **labels)
+
+
 def metric_delta(
     adapter: EngineAdapter, logical: str, before: MetricSnapshot, after: MetricSnapshot
 ) -> float:
-    return adapter.metric(logical, after) - adapter.metric(logical, before)
+    return read_metric(adapter, logical, after) - read_metric(adapter, logical, before)
 
 
 def ensure_attached(adapter: EngineAdapter, config: EngineConfig) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvconform.contract import OffloadTier, metric_delta
+from kvconform.contract import OffloadTier, metric_delta, read_metric
 from kvconform.metrics import MetricSnapshot
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ class MetricOffloadTier(OffloadTier):
         deadline = time.monotonic() + timeout_s
         last, still_since = None, time.monotonic()
         while time.monotonic() < deadline:
-            value = self.engine.metric("offload_store_bytes", self.engine.metrics())
+            value = read_metric(self.engine, "offload_store_bytes", self.engine.metrics())
             if value != last:
                 last, still_since = value, time.monotonic()
             elif time.monotonic() - still_since >= quiet_s:

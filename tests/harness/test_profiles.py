@@ -17,9 +17,10 @@ from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
 from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.adapters.vllm.adapter import FORCED_SHUTDOWN_NOTE, SHUTDOWN_GRACE_S, VllmAdapter
 from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
+from kvconform.contract import read_metric
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import EngineError, UsageError
-from kvconform.metrics import MetricSnapshot
+from kvconform.metrics import MetricAbsent, MetricSnapshot
 from kvconform.plugin.session import load_profiles
 from kvconform.processes import TeardownReport
 from tests.paths import REPO
@@ -300,13 +301,13 @@ def test_vllm_lazy_offload_gauges_read_0_only_until_a_transfer_is_logged(tmp_pat
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     empty = MetricSnapshot(taken_at=time.time())
-    assert adapter.metric("offload_write_usage", empty) == 0.0
+    assert read_metric(adapter, "offload_write_usage", empty) == 0.0
     log.write_text(f"{time.monotonic() - 10:.6f} 2 0\n")  # a store under way 10 s ago
-    with pytest.raises(KeyError, match="not exported"):
-        adapter.metric("offload_write_usage", empty)
-    assert adapter.metric("offload_store_bytes", empty) == 0.0
+    with pytest.raises(MetricAbsent, match="lacks vllm:kv_offload_cpu_cache_write_usage_perc"):
+        read_metric(adapter, "offload_write_usage", empty)
+    assert read_metric(adapter, "offload_store_bytes", empty) == 0.0
     earlier = MetricSnapshot(taken_at=time.time() - 9)  # scraped 1 s after it started
-    assert adapter.metric("offload_write_usage", earlier) == 0.0
+    assert read_metric(adapter, "offload_write_usage", earlier) == 0.0
 
 
 class _StoppingServer:

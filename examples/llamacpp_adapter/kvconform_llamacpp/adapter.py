@@ -104,8 +104,11 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     # common/common.h:634) and the capacity is unknown, so neither reset nor forced eviction
     # can be promised.
     # prefix_queries is not one series: see metric() (processed + cached prompt tokens).
+    # llama-server counts every prompt token once, either processed (prompt_tokens_total,
+    # "excluding cached tokens") or reused (prompt_tokens_cached_total): the tokens queried
+    # against the cache are their sum, both the engine's own counters as exported.
     metric_map = MetricMap(
-        names={"prefix_hits": CACHED_TOKENS},
+        names={"prefix_hits": CACHED_TOKENS, "prefix_queries": (PROCESSED_TOKENS, CACHED_TOKENS)},
     )
 
     def __init__(self, ctx: AdapterContext) -> None:
@@ -232,14 +235,6 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
 
     def metrics(self) -> MetricSnapshot:
         return self.scrape("/metrics")
-
-    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        # llama-server counts every prompt token once, either processed (prompt_tokens_total,
-        # "excluding cached tokens") or reused (prompt_tokens_cached_total): the tokens queried
-        # against the cache are their sum. Both are the engine's own counters, read as exported.
-        if logical == "prefix_queries":
-            return snapshot.value(PROCESSED_TOKENS, None) + snapshot.value(CACHED_TOKENS, None)
-        return super().metric(logical, snapshot, **labels)
 
     # ---- capacities (from the command line we gave, checked against /props at start) ----
     def cache_capacity_tokens(self) -> int:

@@ -507,7 +507,7 @@ class DynamoAdapter(
         """The router applies KV events asynchronously (eventually consistent by design): route
         once its applied-events counter has stopped moving, so a prediction is judged against
         the events of the requests before it, not against the transport's lag."""
-        name = self.metric_map.names["router_events_applied"]
+        (name,) = self.metric_map.sample_names("router_events_applied")
         last: list[float] = []
 
         def settled() -> bool:
@@ -521,7 +521,7 @@ class DynamoAdapter(
     def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
         """KV events the router applied since `before`, by status (ok, parent_block_not_found,
         block_not_found, invalid_block, ...: lib/kv-router/src/indexer/metrics.rs)."""
-        name = self.metric_map.names["router_events_applied"]
+        (name,) = self.metric_map.sample_names("router_events_applied")
         if not after.has(name):
             raise EngineError(
                 self.name, f"metric {name} is absent from the frontend's /metrics after routed requests"

@@ -46,6 +46,7 @@ from kvconform.contract import (
     apply_launch_profile,
     log_tail,
     provides,
+    read_metric,
 )
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger, KvEvent
@@ -486,10 +487,10 @@ class LmcacheAdapter(
         last, since = -1.0, time.monotonic()
         while time.monotonic() < deadline:
             snap = self.metrics()
-            submitted = self.metric("l2_store_submitted_requests", snap)
+            submitted = read_metric(self, "l2_store_submitted_requests", snap)
             if submitted != last:
                 last, since = submitted, time.monotonic()
-            done = submitted <= self.metric("l2_store_completed_requests", snap)
+            done = submitted <= read_metric(self, "l2_store_completed_requests", snap)
             if done and time.monotonic() - since >= quiet_s:
                 return
             time.sleep(0.1)

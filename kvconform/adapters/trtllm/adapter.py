@@ -468,7 +468,18 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
 
     @property  # per instance: the release decides
     def metric_map(self) -> MetricMap:  # type: ignore[override]
-        return MetricMap(dict(self.release().metric_names))
+        """Only names the release exports; one it exports but the scrape lacks is an error
+        naming it, never 0 (trtllm has no lazily created counter this adapter reads)."""
+        names = self.release().metric_names
+        label = self.release_label()
+        return MetricMap(
+            dict(names),
+            unmapped={
+                logical: f"{label} exports no {name} (logical {logical!r}; first in TensorRT-LLM {line})"
+                for logical, (line, name) in METRIC_SINCE.items()
+                if logical not in names
+            },
+        )
 
     def unsupported(self) -> dict[Capability, str]:
         """Besides attach mode's: capabilities the class offers that this instance's release
@@ -478,26 +489,6 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
             **super().unsupported(),
             **{cap: f"{label}: {why}" for cap, why in self.release().gaps.items()},
         }
-
-    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        """Only names the release exports; an exported name missing from the scrape is an
-        error naming it, never 0 (trtllm has no lazily created counter this adapter reads)."""
-        name = self.release().metric_names.get(logical)
-        if name is None:
-            since = METRIC_SINCE.get(logical)
-            if since is None:
-                raise NotImplementedError(f"engine {self.name} maps no metric for {logical!r}")
-            raise NotImplementedError(
-                f"engine {self.name}: {self.release_label()} exports no {since[1]} "
-                f"(logical {logical!r}; first in TensorRT-LLM {since[0]})"
-            )
-        if not snapshot.has(name):
-            raise EngineError(
-                self.name,
-                f"/prometheus/metrics lacks {name} (logical {logical!r}), which {self.release_label()} "
-                f"exports (tensorrt_llm/metrics/collector.py); have: {', '.join(snapshot.names()[:12])}",
-            )
-        return snapshot.value(name, None, **labels)
 
     def reads_perf_metrics(self) -> bool:
         """/perf_metrics has records only when perf_metrics_max_requests > 0 (default 0,

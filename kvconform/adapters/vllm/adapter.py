@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -36,6 +37,7 @@ from kvconform.contract import (
     log_tail,
     metric_delta,
     provides,
+    read_metric,
 )
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
@@ -206,6 +208,9 @@ class VllmAdapter(
 
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
+        # Whether an offload metric vLLM has not created yet reads 0 depends on this instance's
+        # tier and its host-copy worker's log.
+        self.metric_map = replace(self.metric_map, lazy_when=self._offload_metric_lazy)
         self.churn = RestartChurn(self)
         self.server: LaunchedServer | None = None
         self._attached_block: int | None = None
@@ -554,15 +559,11 @@ class VllmAdapter(
     )
     LAZY_METRIC_GRACE_S: ClassVar[float] = 2.0
 
-    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        try:
-            return super().metric(logical, snapshot, **labels)
-        except KeyError:
-            if logical not in self.LAZY_OFFLOAD_METRICS or not self._offload_tier_present(snapshot):
-                raise
-            if logical in self.LAZY_GAUGES and self._transfer_logged_before(snapshot):
-                raise
-            return 0.0
+    def _offload_metric_lazy(self, logical: str, snapshot: MetricSnapshot) -> bool:
+        """Whether `logical`, absent from `snapshot`, reads as 0 (its metric_map's lazy_when)."""
+        if logical not in self.LAZY_OFFLOAD_METRICS or not self._offload_tier_present(snapshot):
+            return False
+        return logical not in self.LAZY_GAUGES or not self._transfer_logged_before(snapshot)
 
     def _transfer_logged_before(self, snapshot: MetricSnapshot) -> bool:
         """Our host-copy worker logged a transfer in flight at least LAZY_METRIC_GRACE_S before
@@ -828,7 +829,7 @@ class VllmAdapter(
         are free). Read after a fixed settle: the step that finishes a request frees its blocks
         before its stats (Scheduler.update_from_output), published just after the response."""
         time.sleep(GAUGE_SETTLE_S)
-        usage = self.metric("kv_usage", self.metrics())
+        usage = read_metric(self, "kv_usage", self.metrics())
         return round(usage * (self.pool_blocks() - 1)) * self.deployment.model.block_bytes(self.block_size())
 
     def logs(self, lines: int = 80) -> dict[str, str]:

@@ -36,7 +36,6 @@ from kvconform.kit.drivers import DriverProcess
 from kvconform.kit.restart_churn import RestartChurn
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import MemoryMeasure, sample_processes
-from kvconform.metrics import MetricSnapshot
 from kvconform.oracles import LastToken
 from kvconform.processes import TeardownReport, free_port
 
@@ -54,6 +53,19 @@ class VllmLmcacheAdapter(VllmAdapter):
     name = "vllm-lmcache"
     env_spec = "vllm-lmcache"
     stack_env_specs: ClassVar[tuple[str, ...]] = ("lmcache",)  # the LMCache server's environment
+    # Prefix hits of the stack: vLLM's own prefix cache and what the connector loaded
+    # (vllm:prompt_tokens_cached_by_source "sums to vllm:prefix_cache_hits +
+    # vllm:external_prefix_cache_hits", vllm/v1/metrics/loggers.py).
+    metric_map = replace(
+        VllmAdapter.metric_map,
+        names={
+            **VllmAdapter.metric_map.names,
+            "prefix_hits": (
+                "vllm:prefix_cache_hits_total",
+                "vllm:external_prefix_cache_hits_total",
+            ),
+        },
+    )
     # LMCache's chunk = vLLM's block, so hits from either are whole blocks of the same size
     # (LMCache needs chunk % block == 0: lmcache/integration/vllm/lmcache_mp_connector.py).
     # A block size asked of vLLM restarts the LMCache server with that chunk size (the server's
@@ -256,14 +268,6 @@ class VllmLmcacheAdapter(VllmAdapter):
         server's L1 (its chunks are vLLM's blocks, in vLLM's dtype), whichever is larger."""
         l1_tokens = int(L1_GB * 2**30) // self.deployment.model.kv_bytes_per_token()
         return max(super().cache_capacity_tokens(), l1_tokens)
-
-    def metric(self, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-        """Prefix hits of the stack: vLLM's own prefix cache and what the connector loaded
-        (vllm:prompt_tokens_cached_by_source "sums to vllm:prefix_cache_hits +
-        vllm:external_prefix_cache_hits", vllm/v1/metrics/loggers.py)."""
-        if logical == "prefix_hits":
-            return super().metric("prefix_hits", snapshot) + super().metric("external_prefix_hits", snapshot)
-        return super().metric(logical, snapshot, **labels)
 
     # ---- instance churn: vLLM instances cycling against one LMCache server ----------------
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, supported
+from kvconform.contract import EngineAdapter, read_metric, supported
 from kvconform.metrics import only_names
 from kvconform.sampling import PeriodicSampler
 
@@ -33,17 +33,18 @@ class GaugeSampler(PeriodicSampler):
         # an engine without offload gauges (only its host hits judged) is sampled for counters
         self.gauges = C.OFFLOAD_GAUGES in supported(engine)
         self.scraped = [
-            engine.metric_map.names[m]
+            name
             for m in (*(GAUGES if self.gauges else ()), *self.counter_names)
             if m in engine.metric_map
+            for name in engine.metric_map.sample_names(m)
         ]
 
     def sample(self) -> None:
         with only_names(self.scraped):
             snap = self.engine.metrics()
         nan = float("nan")  # never judged: the gauge checks require OFFLOAD_GAUGES
-        usage, write, read = (self.engine.metric(g, snap) if self.gauges else nan for g in GAUGES)
-        counters = {c: self.engine.metric(c, snap) for c in self.counter_names}
+        usage, write, read = (read_metric(self.engine, g, snap) if self.gauges else nan for g in GAUGES)
+        counters = {c: read_metric(self.engine, c, snap) for c in self.counter_names}
         self.samples.append(GaugeSample(self.now(), usage, write, read, counters))
 
     def rate_hz(self) -> float:

@@ -22,6 +22,7 @@ from kvconform.contract import (
     RemoteStore,
     ServedPrompt,
     metric_delta,
+    read_metric,
     restart,
     seconds_until_steady,
 )
@@ -78,14 +79,14 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
         chunks,
         "objects",
     )
-    verdict.equal("l2_usage_bytes", engine.metric("l2_usage_bytes", after), held, "bytes")
+    verdict.equal("l2_usage_bytes", read_metric(engine, "l2_usage_bytes", after), held, "bytes")
     overhead = [engine.facet(RemoteStore).memory_usage(k) - n for k, n in entries.items()]
     verdict.record("remote_memory_overhead_per_object", max(overhead, default=0), "bytes")
     restart(engine)
     restarted = engine.metrics()
     verdict.equal(
         "l2_usage_bytes_after_restart",
-        engine.metric("l2_usage_bytes", restarted),
+        read_metric(engine, "l2_usage_bytes", restarted),
         stored_bytes(engine),
         "bytes",
         note="the restarted engine serves hits from these bytes, so its usage gauge must count them",
@@ -139,7 +140,7 @@ def test_remote_tier_eviction_within_capacity(
     verdict.record("remote_bytes_evicted", prompts_needed * per_prompt * chunk_bytes - held, "bytes")
     verdict.equal(
         "l2_usage_bytes_vs_remote",
-        engine.metric("l2_usage_bytes", engine.metrics()),
+        read_metric(engine, "l2_usage_bytes", engine.metrics()),
         held,
         "bytes",
         note="after eviction the gauge and the store agree",
@@ -211,9 +212,11 @@ def pending_objects(engine: EngineAdapter) -> float:
     counts completed objects on success only and exports no failed-object counter
     (store_controller.py:780-790), so there this is pending *or failed*."""
     snap = engine.metrics()
-    pending = engine.metric("l2_store_submitted", snap) - engine.metric("l2_store_completed", snap)
+    pending = read_metric(engine, "l2_store_submitted", snap) - read_metric(
+        engine, "l2_store_completed", snap
+    )
     if "l2_store_failed" in engine.metric_map:
-        pending -= engine.metric("l2_store_failed", snap)
+        pending -= read_metric(engine, "l2_store_failed", snap)
     return pending
 
 
@@ -221,8 +224,8 @@ def pending_tasks(engine: EngineAdapter) -> float:
     """Store tasks not finished: submitted - completed requests, which an engine counts whether a
     task succeeded or failed (LMCache 0.5.6 publishes L2_STORE_COMPLETED for both)."""
     snap = engine.metrics()
-    submitted = engine.metric("l2_store_submitted_requests", snap)
-    return submitted - engine.metric("l2_store_completed_requests", snap)
+    submitted = read_metric(engine, "l2_store_submitted_requests", snap)
+    return submitted - read_metric(engine, "l2_store_completed_requests", snap)
 
 
 def test_remote_store_counters_track_pending_writes(
@@ -243,7 +246,7 @@ def test_remote_store_counters_track_pending_writes(
     chunk_bytes = engine.facet(PersistentTier).block_bytes()
     chunks = 8
     names = engine.metric_map
-    l1_before = engine.metric("l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
+    l1_before = read_metric(engine, "l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
 
     engine.facet(RemoteStore).pause_writes(PAUSE_S)
     paused_until = time.monotonic() + PAUSE_S
@@ -323,7 +326,7 @@ def test_remote_store_counters_track_pending_writes(
     if "l2_usage_bytes" in names:
         verdict.equal(
             "l2_usage_bytes_vs_remote_after_failed_stores",
-            engine.metric("l2_usage_bytes", engine.metrics()) - stored_bytes(engine),
+            read_metric(engine, "l2_usage_bytes", engine.metrics()) - stored_bytes(engine),
             0,
             "bytes",
             note="the usage gauge counts what the remote store holds: a refused write adds nothing",
@@ -350,23 +353,23 @@ def test_remote_store_counters_track_pending_writes(
     # only new chunks show whether the tier takes writes again.
     held_before_again = len(engine.facet(RemoteStore).entries())
     snap_before_again = engine.metrics()
-    completed_before_again = engine.metric("l2_store_completed", snap_before_again)
-    submitted_before_again = engine.metric("l2_store_submitted", snap_before_again)
+    completed_before_again = read_metric(engine, "l2_store_completed", snap_before_again)
+    submitted_before_again = read_metric(engine, "l2_store_submitted", snap_before_again)
     fresh = FRESH_PROMPTS * chunks
     for _ in range(FRESH_PROMPTS):
         engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
 
     def fresh_stores_over() -> bool:
         snap = engine.metrics()
-        if engine.metric("l2_store_completed", snap) - completed_before_again >= fresh:
+        if read_metric(engine, "l2_store_completed", snap) - completed_before_again >= fresh:
             return True
-        submitted = engine.metric("l2_store_submitted", snap) - submitted_before_again >= fresh
+        submitted = read_metric(engine, "l2_store_submitted", snap) - submitted_before_again >= fresh
         return submitted and counts_tasks and pending_tasks(engine) <= tasks_before_refusals
 
     seconds_until_steady(fresh_stores_over, SETTLE_S, quiet_s=1.0)
     verdict.equal(
         "l2_objects_completed_after_refusals_end",
-        engine.metric("l2_store_completed", engine.metrics()) - completed_before_again,
+        read_metric(engine, "l2_store_completed", engine.metrics()) - completed_before_again,
         fresh,
         "objects",
         note=f"the store takes writes again: the {fresh} chunks of {FRESH_PROMPTS} fresh prompts "
@@ -390,7 +393,7 @@ def test_remote_store_counters_track_pending_writes(
     if "l1_usage_bytes" in names:
         verdict.equal(
             "l1_usage_bytes_delta",
-            engine.metric("l1_usage_bytes", engine.metrics()) - l1_before,
+            read_metric(engine, "l1_usage_bytes", engine.metrics()) - l1_before,
             stored * chunk_bytes,
             "bytes",
             note=f"{stored} chunks stored x {chunk_bytes} from the model",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, PersistentTier, metric_delta
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, PersistentTier, metric_delta, read_metric
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
@@ -63,14 +63,15 @@ def test_tiered_store_metrics_consistent(
     )
     if "l2_store_completed" in names:
         lagging = [
-            (engine.metric("l2_store_submitted", s), engine.metric("l2_store_completed", s))
+            (read_metric(engine, "l2_store_submitted", s), read_metric(engine, "l2_store_completed", s))
             for s in during
-            if engine.metric("l2_store_completed", s) > engine.metric("l2_store_submitted", s)
+            if read_metric(engine, "l2_store_completed", s) > read_metric(engine, "l2_store_submitted", s)
         ]
         verdict.equal("scrapes_with_completed_above_submitted", len(lagging), 0, note=str(lagging[:3]))
         verdict.equal(
             "l2_submitted_minus_completed_at_idle",
-            engine.metric("l2_store_submitted", after) - engine.metric("l2_store_completed", after),
+            read_metric(engine, "l2_store_submitted", after)
+            - read_metric(engine, "l2_store_completed", after),
             0,
         )
         verdict.equal(
@@ -90,7 +91,7 @@ def test_tiered_store_metrics_consistent(
         )
         verdict.record(
             "l2_usage_minus_disk_bytes",
-            engine.metric("l2_usage_bytes", after) - sum(entries_after.values()),
+            read_metric(engine, "l2_usage_bytes", after) - sum(entries_after.values()),
             "bytes",
             note="absolute difference (an engine may count only what this process wrote)",
         )
@@ -116,8 +117,8 @@ def test_tiered_store_metrics_consistent(
             "(was: <= the engine's own requested count)",
         )
     if "l1_usage_ratio" in names:
-        ratio = engine.metric("l1_usage_ratio", after)
-        expected = engine.metric("l1_usage_bytes", after) / engine.facet(KvPool).kv_pool_bytes()
+        ratio = read_metric(engine, "l1_usage_ratio", after)
+        expected = read_metric(engine, "l1_usage_bytes", after) / engine.facet(KvPool).kv_pool_bytes()
         verdict.equal(
             "l1_usage_ratio",
             ratio,

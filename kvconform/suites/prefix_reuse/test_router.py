@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvEvents, KvRouter, poll_until
+from kvconform.contract import EngineAdapter, EngineConfig, KvEvents, KvRouter, poll_until, read_metric
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -133,10 +133,12 @@ def test_router_prediction_matches_worker(
             )
         verdict.equal("router_events_not_applied_ok", sum(failed.values()), 0, "events", note=str(failed))
     if "active_blocks" in engine.metric_map:
-        drained = poll_until(lambda: engine.metric("active_blocks", engine.metrics()) == 0, timeout_s=10.0)
+        drained = poll_until(
+            lambda: read_metric(engine, "active_blocks", engine.metrics()) == 0, timeout_s=10.0
+        )
         verdict.equal(
             "active_blocks_after_requests",
-            engine.metric("active_blocks", engine.metrics()),
+            read_metric(engine, "active_blocks", engine.metrics()),
             0,
             "blocks",
             note="the router's view of blocks held once every request finished",

@@ -24,6 +24,7 @@ from kvconform.contract import (
     ReleaseGuard,
     StreamAborts,
     metric_delta,
+    read_metric,
 )
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError
@@ -260,7 +261,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         time.sleep(idle_s)
         verdict.equal(
             "kv_usage_after_aborts",
-            engine.metric("kv_usage", engine.metrics()),
+            read_metric(engine, "kv_usage", engine.metrics()),
             0.0,
             note=f"aborted requests must release their blocks (read once, {idle_s:.0f} s after the cuts)",
         )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.adapters.omlx.adapter import BLOCK_SIZE, OmlxAdapter, token_ids, words
-from kvconform.contract import AdapterContext, metric_delta, supported
+from kvconform.contract import AdapterContext, metric_delta, read_metric, supported
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
@@ -73,7 +73,7 @@ def test_metrics_read_session_scope_only(omlx: OmlxAdapter, fake_omlx: FakeOmlx)
     assert metric_delta(omlx, "prefix_hits", before, after) == 31  # exact hit, trimmed by one
     fake_omlx.restart()  # a new server life: session counters start over, all-time go on
     fresh = omlx.metrics()
-    assert omlx.metric("prefix_queries", fresh) == 0
+    assert read_metric(omlx, "prefix_queries", fresh) == 0
     assert fresh.value("omlx_total_prompt_tokens") < FakeOmlx.ALLTIME_SEED
     stats_queries = [p for m, p in fake_omlx.log if p.startswith("/admin/api/stats")]
     assert stats_queries and all(p.endswith("scope=session") for p in stats_queries)
@@ -104,7 +104,7 @@ def test_admin_login_with_api_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     try:
         adapter.serve_prompt(list(range(10, 30)))
         snap = adapter.metrics()  # admin stats: 401, then login, then the session numbers
-        assert adapter.metric("prefix_queries", snap) == 20
+        assert read_metric(adapter, "prefix_queries", snap) == 20
         assert ("POST", "/admin/api/login") in fake.log
     finally:
         fake.close()

@@ -22,7 +22,14 @@ import pytest
 import kvconform.adapters.sglang_server.adapter as server_module
 from kvconform.adapters.sglang.adapter import INPROCESS_CAPABILITIES, SglangAdapter
 from kvconform.adapters.sglang_server.adapter import STUB_DIRS, SglangServerAdapter
-from kvconform.contract import AdapterContext, EngineConfig, RadixCacheModel, metric_delta, supported
+from kvconform.contract import (
+    AdapterContext,
+    EngineConfig,
+    RadixCacheModel,
+    metric_delta,
+    read_metric,
+    supported,
+)
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.events import EventLedger
@@ -152,7 +159,7 @@ def test_older_server_info_endpoint_is_used_when_the_new_one_is_missing(tmp_path
 def test_sglang_metrics_map_to_logical_counters(sglang: SglangServerAdapter) -> None:
     before = sglang.metrics()
     assert not before.has("sglang:cached_tokens_total")  # lazily created: absent reads 0
-    assert sglang.metric("prefix_hits", before) == 0
+    assert read_metric(sglang, "prefix_hits", before) == 0
     prompt = list(range(1000, 1100))
     sglang.serve_prompt(prompt)
     sglang.serve_prompt(prompt)
@@ -161,7 +168,7 @@ def test_sglang_metrics_map_to_logical_counters(sglang: SglangServerAdapter) -> 
     assert metric_delta(sglang, "prefix_queries", before, after) == 240  # both is_streaming series
     assert metric_delta(sglang, "prefix_hits", before, after) == 96
     assert metric_delta(sglang, "prefix_hits_host", before, after) == 0
-    assert sglang.metric("kv_usage", after) == 0.0
+    assert read_metric(sglang, "kv_usage", after) == 0.0
     assert metric_delta(sglang, "requests", before, after) == 3
 
 

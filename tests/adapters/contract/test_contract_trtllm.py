@@ -22,7 +22,7 @@ from kvconform.adapters.trtllm.adapter import (
     parse_kv_event,
     release_line,
 )
-from kvconform.contract import AdapterContext, EngineConfig, metric_delta, supported
+from kvconform.contract import AdapterContext, EngineConfig, metric_delta, read_metric, supported
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.metrics import parse_prometheus
@@ -268,7 +268,7 @@ def test_prometheus_counters_per_release(trtllm: TrtllmAdapter, fake_trtllm) -> 
     if fake_trtllm.v13:
         assert metric_delta(trtllm, "prefix_queries", before, after) == 80
         assert metric_delta(trtllm, "prefix_hits", before, after) == 32
-        assert trtllm.metric("blocks_total", after) == 256
+        assert read_metric(trtllm, "blocks_total", after) == 256
     else:
         with pytest.raises(
             NotImplementedError, match=r"TensorRT-LLM 1\.2\.1 exports no trtllm_prompt_tokens_total"
@@ -290,7 +290,7 @@ def test_adapter_reads_only_names_its_release_serves(trtllm: TrtllmAdapter, fake
     snapshot = trtllm.metrics()
     for logical in set(METRIC_SINCE) - set(trtllm.metric_map.names):
         with pytest.raises(NotImplementedError, match=rf"TensorRT-LLM {fake_trtllm.release} exports no "):
-            trtllm.metric(logical, snapshot)
+            read_metric(trtllm, logical, snapshot)
     rows = trtllm.iteration_stats()
     assert all(("kvCacheIterationStats" in r) == fake_trtllm.v13 for r in rows)
     if fake_trtllm.v13:
@@ -314,7 +314,7 @@ def test_exported_metric_missing_is_an_error_naming_it(tmp_path: Path) -> None:
     adapter = attach(fake, tmp_path)
     try:
         with pytest.raises(EngineError, match=r"/prometheus/metrics lacks trtllm_prompt_cached_tokens_total"):
-            adapter.metric("prefix_hits", adapter.metrics())  # never a 0
+            read_metric(adapter, "prefix_hits", adapter.metrics())  # never a 0
     finally:
         adapter.close()
         fake.close()
