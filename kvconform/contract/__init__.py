@@ -6,6 +6,7 @@ Suites and adapters import from here; the harness never imports an adapter or an
 from kvconform.contract.adapter import (
     EngineAdapter,
     apply_launch_profile,
+    deployed_block_size,
     has_facet,
     log_tail,
     metric_delta,
@@ -115,6 +116,7 @@ __all__ = [
     "TracedRequest",
     "TransferResult",
     "apply_launch_profile",
+    "deployed_block_size",
     "has_facet",
     "log_tail",
     "metric_delta",

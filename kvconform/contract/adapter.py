@@ -104,14 +104,6 @@ class EngineAdapter(ABC):
         why = "attached: needs an engine the suite launched"
         return {capability: why for capability in self.capabilities & NEEDS_LAUNCH}
 
-    def block_size(self) -> int:
-        if self.ctx.attached:
-            reported = attached_server(self).attached_block_size()
-            return self.deployment.block_size if reported is None else reported
-        if self.config is not None and self.config.block_size is not None:
-            return self.config.block_size
-        return self.deployment.block_size
-
     def resolved_block_size(self) -> int | None:
         """The block size the running engine says it uses (None: it cannot say). Judged against
         what the suite asked for, never used as an oracle's block."""
@@ -212,6 +204,19 @@ def log_tail(adapter: EngineAdapter, lines: int = 40) -> str:
     if len(tails) == 1:
         return next(iter(tails.values()))
     return "\n".join(f"--- {name} ---\n{tail}" for name, tail in tails.items())
+
+
+def deployed_block_size(adapter: EngineAdapter) -> int:
+    """The block size the oracles compute from: launched, the one the suite asked for (the
+    running config's, else the deployment's); attached, the one the server reports it was
+    configured with (the deployment's where it reports none). Never the running engine's own
+    account of its pool: that is resolved_block_size(), judged against this."""
+    if adapter.ctx.attached:
+        reported = attached_server(adapter).attached_block_size()
+        return adapter.deployment.block_size if reported is None else reported
+    if adapter.config is not None and adapter.config.block_size is not None:
+        return adapter.config.block_size
+    return adapter.deployment.block_size
 
 
 def supported(adapter: EngineAdapter) -> frozenset[Capability]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvconform.contract import OffloadTier, metric_delta, read_metric
+from kvconform.contract import OffloadTier, deployed_block_size, metric_delta, read_metric
 from kvconform.metrics import MetricSnapshot
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class MetricOffloadTier(OffloadTier):
             time.sleep(0.1)
 
     def block_bytes(self) -> int:
-        return self.engine.deployment.model.block_bytes(self.engine.block_size())
+        return self.engine.deployment.model.block_bytes(deployed_block_size(self.engine))
 
     def failed_stores(self, before: MetricSnapshot, after: MetricSnapshot) -> float:
         return metric_delta(self.engine, "offload_failed_stores", before, after)

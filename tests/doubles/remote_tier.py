@@ -39,6 +39,7 @@ from kvconform.contract import (
     PersistentTier,
     RemoteStore,
     ServedPrompt,
+    deployed_block_size,
     provides,
 )
 from kvconform.engines.reference.faults import Fault
@@ -424,7 +425,7 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
     dead = False  # lost_remote_kills_engine
 
     def cache_capacity_tokens(self) -> int:
-        return L1_CHUNKS * self.block_size()
+        return L1_CHUNKS * deployed_block_size(self)
 
     # ---- requests -----------------------------------------------------------------------
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
@@ -435,7 +436,7 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
             raise EngineError(self.name, "connection refused (the engine exited)")
         self._release_held()
         per_token = self.deployment.model.kv_bytes_per_token()
-        chunks = chunk_keys(tokens, self.block_size(), self.fault == "partial_chunk_saved")
+        chunks = chunk_keys(tokens, deployed_block_size(self), self.fault == "partial_chunk_saved")
         remote_ok = True
         if self.fault == "lost_remote_hangs_requests" and not self.store.up:
             time.sleep(REMOTE_TIMEOUT_S)  # the lookup waits on the dead connection, then gives up
@@ -644,7 +645,7 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
 
     @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
-        return StoreTier(self.remote_tier(), self.deployment.model.block_bytes(self.block_size()))
+        return StoreTier(self.remote_tier(), self.deployment.model.block_bytes(deployed_block_size(self)))
 
 
 _DESYNC = frozenset({"truncated_value_desyncs_connection", "desynced_reads_served_and_rewritten"})
@@ -674,7 +675,7 @@ class DoubleStore(RemoteStore):
         self.d._up().data[key] = bytes(data)
 
     def capacity_bytes(self) -> int:
-        return CAPACITY_CHUNKS * self.d.deployment.model.block_bytes(self.d.block_size())
+        return CAPACITY_CHUNKS * self.d.deployment.model.block_bytes(deployed_block_size(self.d))
 
     def wipe(self) -> None:
         self.d.stop()

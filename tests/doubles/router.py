@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, KvPool, KvRouter, MetricMap, ServedPrompt
+from kvconform.contract import Capability, KvPool, KvRouter, MetricMap, ServedPrompt, deployed_block_size
 from kvconform.engines.reference.faults import Fault
 from kvconform.metrics import MetricSnapshot
 from tests.doubles.base import DoubleAdapter
@@ -143,8 +143,8 @@ class RouterDouble(DoubleAdapter, KvPool, KvRouter):
 
     def start(self, config: Any) -> None:
         super().start(config)
-        self.worker = Worker(NUM_BLOCKS, self.block_size())
-        self.router = Router(self.fault, self.block_size())
+        self.worker = Worker(NUM_BLOCKS, deployed_block_size(self))
+        self.router = Router(self.fault, deployed_block_size(self))
 
     def running(self) -> bool:
         return self.config is not None
@@ -157,7 +157,7 @@ class RouterDouble(DoubleAdapter, KvPool, KvRouter):
 
     def serve_routed(self, tokens: list[int]) -> tuple[int, ServedPrompt]:
         predicted = self.router.predict(tokens)
-        blocks = -(-len(tokens) // self.block_size())
+        blocks = -(-len(tokens) // deployed_block_size(self))
         self.router.active_blocks += blocks  # the request is in flight on its worker
         served = self.serve_prompt(tokens)
         if self.fault != "active_blocks_never_drain":
@@ -165,7 +165,7 @@ class RouterDouble(DoubleAdapter, KvPool, KvRouter):
         return predicted, served
 
     def cache_capacity_tokens(self) -> int:
-        return NUM_BLOCKS * self.block_size()
+        return NUM_BLOCKS * deployed_block_size(self)
 
     def metrics(self) -> MetricSnapshot:
         rows = {frozenset({("status", s)}): float(n) for s, n in self.router.applied.items()}

@@ -17,7 +17,7 @@ from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
 from kvconform.adapters.trtllm.adapter import TrtllmAdapter
 from kvconform.adapters.vllm.adapter import FORCED_SHUTDOWN_NOTE, SHUTDOWN_GRACE_S, VllmAdapter
 from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
-from kvconform.contract import read_metric
+from kvconform.contract import deployed_block_size, read_metric
 from kvconform.contract.types import AdapterContext, EngineConfig, LaunchProfile
 from kvconform.errors import EngineError, UsageError
 from kvconform.metrics import MetricAbsent, MetricSnapshot
@@ -106,7 +106,8 @@ def test_vllm_argv_from_profile(tmp_path: Path):
     assert plain[-2:] == ["--max-num-seqs", "8"] and "--enable-prompt-tokens-details" in plain
     assert "--kv-offloading-size 4 --kv-offloading-backend native" in " ".join(offload)
     assert (
-        adapter.block_size() == 16 and adapter.deployment.model.kv_bytes_per_token() == 32 * 8 * 128 * 2 * 2
+        deployed_block_size(adapter) == 16
+        and adapter.deployment.model.kv_bytes_per_token() == 32 * 8 * 128 * 2 * 2
     )
     events, replay = adapter.open_event_subscriber()
     adapter.close_event_subscriber()
@@ -256,7 +257,7 @@ def test_lmcache_argv_and_client_layout_from_profile(tmp_path: Path):
         "dtype": "float16",
         "model_name": "llama-8b",
     }
-    chunk_bytes = adapter.deployment.model.block_bytes(adapter.block_size())
+    chunk_bytes = adapter.deployment.model.block_bytes(deployed_block_size(adapter))
     assert chunk_bytes == 2 * 32 * 8 * 128 * 2 * 256, "oracles use the profile's shape"
 
 

@@ -41,6 +41,7 @@ from kvconform.contract import (
     SecondRelease,
     ServedPrompt,
     TraceReplay,
+    deployed_block_size,
     log_tail,
     poll_until,
     provides,
@@ -500,7 +501,7 @@ class DynamoAdapter(
         rate = ((data.get("nvext") or {}).get("timing") or {}).get("kv_hit_rate")
         if rate is None:
             raise EngineError(self.name, f"response lacks nvext.timing.kv_hit_rate: {data.get('nvext')}")
-        block = self.block_size()
+        block = deployed_block_size(self)
         return round(float(rate) * math.ceil(len(tokens) / block)) * block, served
 
     def _wait_router_caught_up(self, quiet_s: float = 0.3, timeout_s: float = 5.0) -> None:
@@ -563,11 +564,11 @@ class DynamoAdapter(
         return round(total)
 
     def cache_capacity_tokens(self) -> int:
-        return GPU_BLOCKS * self.block_size()  # per worker; the router spreads the fill
+        return GPU_BLOCKS * deployed_block_size(self)  # per worker; the router spreads the fill
 
     def kv_pool_bytes(self) -> int:
         workers = len(self.worker_roles(self.config)) if self.config else WORKERS
-        return workers * GPU_BLOCKS * self.deployment.model.block_bytes(self.block_size())
+        return workers * GPU_BLOCKS * self.deployment.model.block_bytes(deployed_block_size(self))
 
     @provides(OffloadTier)
     def host_tier(self) -> OffloadTier:
@@ -678,4 +679,4 @@ class MockerHostTier(OffloadTier):
         raise EngineError(self.engine.name, f"requests still open {timeout_s:.0f} s after the offload load")
 
     def block_bytes(self) -> int:
-        return self.engine.deployment.model.block_bytes(self.engine.block_size())
+        return self.engine.deployment.model.block_bytes(deployed_block_size(self.engine))

@@ -44,6 +44,7 @@ from kvconform.contract import (
     ServedPrompt,
     TraceReplay,
     apply_launch_profile,
+    deployed_block_size,
     log_tail,
     provides,
     read_metric,
@@ -476,7 +477,7 @@ class LmcacheAdapter(
     def persistent_tier(self) -> PersistentTier:
         """The fs L2 adapter's files (one per chunk), flushed by the L2 store tasks."""
         return FileTier(
-            self.l2_dir(), "**/*", self.deployment.model.block_bytes(self.block_size()), self.flush_l2
+            self.l2_dir(), "**/*", self.deployment.model.block_bytes(deployed_block_size(self)), self.flush_l2
         )
 
     def flush_l2(self, timeout_s: float = 15.0, quiet_s: float = 0.5) -> None:
@@ -593,7 +594,10 @@ class LmcacheAdapter(
         )
         engine_id = f"churn-{index}"
         self.inproc.call(
-            "create", engine_id=engine_id, chunk_size=self.block_size(), max_local_cpu_size_gb=self.l1_gb()
+            "create",
+            engine_id=engine_id,
+            chunk_size=deployed_block_size(self),
+            max_local_cpu_size_gb=self.l1_gb(),
         )
         self.inproc.call("store", engine_id=engine_id, token_ids=tokens)
         got = self.inproc.call("retrieve", engine_id=engine_id, token_ids=tokens)
@@ -768,7 +772,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
     def persistent_tier(self) -> PersistentTier:
         """Redis is L2: its objects are the persistent tier."""
         return StoreTier(
-            self.remote_tier(), self.deployment.model.block_bytes(self.block_size()), self.flush_l2
+            self.remote_tier(), self.deployment.model.block_bytes(deployed_block_size(self)), self.flush_l2
         )
 
     def logs(self, lines: int = 80) -> dict[str, str]:

@@ -540,14 +540,6 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
             raise EngineError(self.name, f"/api/status lacks {', '.join(missing)}", log_tail(self))
         return int(status["active_requests"]) + int(status["waiting_requests"])
 
-    def block_size(self) -> int:
-        """Launched: oMLX's fixed block (the server has no option for it), never its report.
-        Attached: the server's configured block size (runtime_cache.effective_block_sizes),
-        as someone else configured it."""
-        if self.ctx.attached:
-            return self.attached_block_size()
-        return BLOCK_SIZE
-
     def resolved_block_size(self) -> int | None:
         """The block size the server says its model runs at (runtime_cache.effective_block_sizes),
         for the suite to judge against the one it requested. oMLX reports sizes only for the

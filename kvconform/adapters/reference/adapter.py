@@ -40,6 +40,7 @@ from kvconform.contract import (
     SecondRelease,
     ServedPrompt,
     TransferResult,
+    deployed_block_size,
     log_tail,
     provides,
 )
@@ -244,10 +245,10 @@ class ReferenceAdapter(
         return predicted, self.serve_prompt(tokens)
 
     def kv_pool_bytes(self) -> int:
-        return NUM_BLOCKS * self.deployment.model.block_bytes(self.block_size())
+        return NUM_BLOCKS * self.deployment.model.block_bytes(deployed_block_size(self))
 
     def cache_capacity_tokens(self) -> int:
-        return NUM_BLOCKS * self.block_size()
+        return NUM_BLOCKS * deployed_block_size(self)
 
     def resident_blocks_reported(self) -> int | None:
         stats = self.get_json("/stats")
@@ -258,7 +259,7 @@ class ReferenceAdapter(
     def persistent_tier(self) -> PersistentTier:
         # each .kv file: a 16-byte header (magic, payload length, CRC32) and the block's KV
         # (kvconform/engines/reference/disk.py HEADER)
-        block_bytes = self.deployment.model.block_bytes(self.block_size()) + DISK_HEADER_BYTES
+        block_bytes = self.deployment.model.block_bytes(deployed_block_size(self)) + DISK_HEADER_BYTES
         return FileTier(self.disk_dir(), "*.kv", block_bytes)
 
     def reset_all_tiers(self) -> None:
@@ -492,7 +493,7 @@ class ReferenceAdapter(
                 "prompt": tokens,
                 "receiver": receiver,
                 "layout": "mha",
-                "page_size": self.block_size(),
+                "page_size": deployed_block_size(self),
                 "destinations": 1,
             },
         )

@@ -34,6 +34,7 @@ from kvconform.contract import (
     SaltedPrompts,
     ServedPrompt,
     apply_launch_profile,
+    deployed_block_size,
     log_tail,
     metric_delta,
     provides,
@@ -427,7 +428,7 @@ class VllmAdapter(
     def persistent_tier(self) -> PersistentTier:
         """The fs tier's block files (vllm-lmcache's persistence is the LMCache server's, which
         outlives vLLM's restart: no files, nothing to flush on vLLM's side)."""
-        block_bytes = self.deployment.model.block_bytes(self.block_size())
+        block_bytes = self.deployment.model.block_bytes(deployed_block_size(self))
         return FileTier(self.fs_tier_dir(), "**/*.bin", block_bytes, self.flush_secondary_tier)
 
     def flush_secondary_tier(self) -> None:
@@ -605,7 +606,7 @@ class VllmAdapter(
         bytes the connector counted as stored (store bytes / host block bytes)."""
         prepared = metric_delta(self, "offload_store_chunks_prepared", before, after)
         stored = metric_delta(self, "offload_store_bytes", before, after) / self.deployment.model.block_bytes(
-            self.block_size()
+            deployed_block_size(self)
         )
         return prepared - stored
 
@@ -750,7 +751,7 @@ class VllmAdapter(
             return KV_CACHE_BYTES
         if self.profile.kv_cache_bytes is not None:
             return self.profile.kv_cache_bytes
-        return self.pool_blocks() * self.deployment.model.block_bytes(self.block_size())
+        return self.pool_blocks() * self.deployment.model.block_bytes(deployed_block_size(self))
 
     def pool_blocks(self) -> int:
         if self._pool_blocks is None:
@@ -762,7 +763,9 @@ class VllmAdapter(
 
     def cache_capacity_tokens(self) -> int:
         return (
-            self.kv_pool_bytes() // self.deployment.model.block_bytes(self.block_size()) * self.block_size()
+            self.kv_pool_bytes()
+            // self.deployment.model.block_bytes(deployed_block_size(self))
+            * deployed_block_size(self)
         )
 
     def engine_pids(self) -> list[int]:
@@ -813,7 +816,7 @@ class VllmAdapter(
             "release_twice",
             timeout_s=300,
             model=str(self.model_dir()),
-            block_size=self.block_size(),
+            block_size=deployed_block_size(self),
             num_blocks=SCHEDULER_DRIVER_BLOCKS,
             dtype=TINY_MODEL_DTYPES[self.deployment.model.dtype_bytes],
             kv_heads=self.deployment.model.kv_heads,
@@ -830,7 +833,9 @@ class VllmAdapter(
         before its stats (Scheduler.update_from_output), published just after the response."""
         time.sleep(GAUGE_SETTLE_S)
         usage = read_metric(self, "kv_usage", self.metrics())
-        return round(usage * (self.pool_blocks() - 1)) * self.deployment.model.block_bytes(self.block_size())
+        return round(usage * (self.pool_blocks() - 1)) * self.deployment.model.block_bytes(
+            deployed_block_size(self)
+        )
 
     def logs(self, lines: int = 80) -> dict[str, str]:
         logs = {"vllm serve": self.server.log_tail(lines)} if self.server else {}

@@ -41,6 +41,7 @@ from kvconform.contract import (
     KvTransfer,
     ServedPrompt,
     TransferResult,
+    deployed_block_size,
     log_tail,
     provides,
 )
@@ -224,9 +225,9 @@ class NixlPull(KvTransfer):
         page indices are the prefill's block ids it handed over."""
         if abort_after_pages is not None or layout != "mha" or destinations != 1:
             raise NotImplementedError(f"{self.pair.name}: one MHA pull to one decode instance, whole")
-        if page_size != self.pair.block_size():
+        if page_size != deployed_block_size(self.pair):
             raise NotImplementedError(
-                f"{self.pair.name} transfers whole blocks of {self.pair.block_size()} tokens"
+                f"{self.pair.name} transfers whole blocks of {deployed_block_size(self.pair)} tokens"
             )
         self.pair.ensure(EngineConfig(disaggregated=True, kv_transfer=True))
         before = self.pair._decode_scrape(*NIXL_READ)

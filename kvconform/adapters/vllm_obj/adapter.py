@@ -18,7 +18,14 @@ from typing import ClassVar
 
 from kvconform.adapters.vllm.adapter import VllmAdapter
 from kvconform.adapters.vllm_obj.s3_store import KEY_PREFIX, S3_ENV_SPEC, S3Server, S3Store, require_running
-from kvconform.contract import AdapterContext, Capability, PersistentTier, RemoteStore, provides
+from kvconform.contract import (
+    AdapterContext,
+    Capability,
+    PersistentTier,
+    RemoteStore,
+    deployed_block_size,
+    provides,
+)
 from kvconform.errors import EngineError
 from kvconform.kit.persistent_tiers import StoreTier
 from kvconform.processes import TeardownReport
@@ -85,7 +92,7 @@ class VllmObjAdapter(VllmAdapter):
     @provides(PersistentTier)
     def persistent_tier(self) -> PersistentTier:
         """The bucket's objects, one block each (obj/manager.py: a block's bytes, no header)."""
-        block_bytes = self.deployment.model.block_bytes(self.block_size())
+        block_bytes = self.deployment.model.block_bytes(deployed_block_size(self))
         return StoreTier(self.remote_tier(), block_bytes, self.flush_secondary_tier)
 
     # ---- lifecycle ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvconform.contract import EngineAdapter
+from kvconform.contract import EngineAdapter, deployed_block_size
 from kvconform.memory import MemoryMeasure
 from kvconform.oracles import theil_sen
 
@@ -54,7 +54,7 @@ class Bounds:
 
 
 def bounds_for(config: pytest.Config, engine: EngineAdapter) -> Bounds:
-    half_block = engine.deployment.model.block_bytes(engine.block_size()) / 2
+    half_block = engine.deployment.model.block_bytes(deployed_block_size(engine)) / 2
     slope = config.getoption("--leak-slope-bytes")
     tolerance = config.getoption("--memory-tolerance-bytes")
     return Bounds(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, InstanceChurn, ReclaimProbe
+from kvconform.contract import EngineAdapter, EngineConfig, InstanceChurn, ReclaimProbe, deployed_block_size
 from kvconform.memory import MemoryMeasure
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -75,7 +75,7 @@ def test_churn_returns_to_baseline(
     engine.ensure(EngineConfig())
     cycles = churn.cycles(path, request.config.getoption("--churn-cycles"))
     bounds = bounds_for(request.config, engine)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     system = prompts.fresh(4 * block)
     for warmup in range(churn.warmup_cycles(path)):  # allocator pools and caches settle first
         churn.cycle(churn.warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
@@ -149,7 +149,7 @@ def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactor
     """Releasing an instance twice must be refused cleanly, and the engine stay healthy."""
     engine.ensure(EngineConfig())
     churn = engine.facet(InstanceChurn)
-    result = churn.second_release(churn.paths[0], prompts.fresh(4 * engine.block_size()))
+    result = churn.second_release(churn.paths[0], prompts.fresh(4 * deployed_block_size(engine)))
     verdict.record("answers", result.detail)
     verdict.equal("first_release_done", int(result.first_released), 1)
     verdict.equal("second_release_refused_cleanly", int(result.second_refused_cleanly), 1)

@@ -21,6 +21,7 @@ from kvconform.contract import (
     KvPool,
     OffloadTier,
     ServedPrompt,
+    deployed_block_size,
     supported,
 )
 from kvconform.contract import Capability as C
@@ -51,7 +52,7 @@ class OffloadRun:
 def drive(
     engine: EngineAdapter, prompts: PromptFactory, sampler: GaugeSampler
 ) -> tuple[list[list[int]], list[ServedPrompt], list[ServedPrompt]]:
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     # Where the answer is judged, ANSWER_TOKENS of it: fewer than 8 * block + 5 needs to fill
     # the last block, so the blocks stored stay the prompt's.
     answer = answer_tokens(lambda capability: capability in supported(engine))
@@ -68,7 +69,7 @@ def drop_from_device(engine: EngineAdapter, prompts: PromptFactory) -> None:
     if C.RESET_PREFIX_CACHE in supported(engine):
         engine.facet(CacheReset).reset_prefix_cache()
         return
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     filler = 16 * block
     for _ in range(-(-2 * engine.facet(KvPool).cache_capacity_tokens() // filler)):
         engine.serve_prompt(prompts.fresh(filler))
@@ -84,7 +85,7 @@ def offload_run(engine: EngineAdapter) -> Iterator[OffloadRun]:
         batch, cold, reserved = drive(engine, prompts, sampler)
         ended = sampler.now()
         time.sleep(IDLE_WATCH_S)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     yield OffloadRun(
         sampler=sampler,
         before=before,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier, deployed_block_size
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -35,7 +35,7 @@ def test_store_threshold_counts_offers(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has: Callable[[C], bool]
 ) -> None:
     engine.ensure(EngineConfig(offload=True, offload_store_threshold=THRESHOLD))
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     once = prompts.fresh(8 * block + 5)
     hot = prompts.fresh(8 * block + 5)
     answer = answer_tokens(has)

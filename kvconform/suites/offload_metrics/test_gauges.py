@@ -15,7 +15,14 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, OffloadTier, metric_delta, supported
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    OffloadTier,
+    deployed_block_size,
+    metric_delta,
+    supported,
+)
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.offload_metrics.conftest import OffloadRun
@@ -198,7 +205,7 @@ def test_failed_store_releases_pending_write(
     try:
         with GaugeSampler(engine) as sampler:
             for _ in range(3):
-                engine.serve_prompt(prompts.fresh(6 * engine.block_size() + 1))
+                engine.serve_prompt(prompts.fresh(6 * deployed_block_size(engine) + 1))
             ended = sampler.now()
             deadline = time.monotonic() + DRAIN_BOUND_S + 1
             while time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from kvconform.contract import (
     PersistentTier,
     RemoteStore,
     ServedPrompt,
+    deployed_block_size,
     metric_delta,
     read_metric,
     restart,
@@ -53,7 +54,7 @@ def stored_bytes(engine: EngineAdapter) -> int:
 def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     engine.facet(RemoteStore).wipe()
     engine.ensure(PERSISTENT)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     chunk_bytes = engine.facet(PersistentTier).block_bytes()
     chunks = 8
     before = engine.metrics()
@@ -116,7 +117,7 @@ def test_remote_tier_eviction_within_capacity(
 ) -> None:
     engine.facet(RemoteStore).wipe()
     engine.ensure(PERSISTENT)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     chunk_bytes = engine.facet(PersistentTier).block_bytes()
     capacity = engine.facet(RemoteStore).capacity_bytes()
     per_prompt = 8
@@ -153,7 +154,7 @@ def test_remote_tier_eviction_within_capacity(
 
 def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     engine.ensure(PERSISTENT)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     stored = prompts.fresh(4 * block + 1)
     cold = engine.serve_prompt(stored)
     engine.facet(PersistentTier).flush()
@@ -242,7 +243,7 @@ def test_remote_store_counters_track_pending_writes(
     the connections a refusal reached shows on all of them only once each has been refused."""
     engine.facet(RemoteStore).wipe()
     engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     chunk_bytes = engine.facet(PersistentTier).block_bytes()
     chunks = 8
     names = engine.metric_map

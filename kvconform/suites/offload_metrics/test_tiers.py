@@ -15,7 +15,15 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, PersistentTier, metric_delta, read_metric
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    KvPool,
+    PersistentTier,
+    deployed_block_size,
+    metric_delta,
+    read_metric,
+)
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 
@@ -36,7 +44,7 @@ def test_tiered_store_metrics_consistent(
     tier = engine.facet(PersistentTier)
     entries_before = tier.sizes()
     before = engine.metrics()
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     batch = [prompts.fresh(4 * block + 7) for _ in range(4)]
     during = []
     for tokens in batch:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kvconform.contract import EngineAdapter, metric_delta
+from kvconform.contract import EngineAdapter, deployed_block_size, metric_delta
 from kvconform.contract.adapter import attached_server
 from kvconform.metrics import MetricSnapshot
 
@@ -12,7 +12,7 @@ from kvconform.metrics import MetricSnapshot
 def queried_tokens(engine: EngineAdapter, prompt_tokens: int) -> int:
     """Tokens the engine's query counter should move by for one prompt."""
     if engine.traits.queries_whole_blocks:
-        return prompt_tokens // engine.block_size() * engine.block_size()
+        return prompt_tokens // deployed_block_size(engine) * deployed_block_size(engine)
     return prompt_tokens
 
 

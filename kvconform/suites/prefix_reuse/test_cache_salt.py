@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, SaltedPrompts, ServedPrompt
+from kvconform.contract import EngineAdapter, EngineConfig, SaltedPrompts, ServedPrompt, deployed_block_size
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -41,7 +41,7 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
 ) -> None:
     engine.ensure(EngineConfig())
     events = has(C.KV_EVENTS)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     prompt = prompts.fresh(4 * block + block // 2)
     whole_blocks = len(prompt) // block
     salt_a, salt_b = f"tenant-a-{prompts.fresh(1)[0]}", f"tenant-b-{prompts.fresh(1)[0]}"

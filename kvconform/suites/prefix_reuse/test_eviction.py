@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, deployed_block_size
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.counters import queried_tokens, wait_counted
@@ -24,7 +24,7 @@ def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.
     (with 16+ prompts per worker, a worker getting under half its share is vanishingly rare).
     """
     capacity = engine.facet(KvPool).cache_capacity_tokens()  # per worker
-    length = min(1024, max(capacity // 8, engine.block_size() * 4))
+    length = min(1024, max(capacity // 8, deployed_block_size(engine) * 4))
     total = factor * capacity * (1 if engine.traits.workers == 1 else 2 * engine.traits.workers)
     # An engine that evicts from a periodic loop drops stores into a full cache until the loop
     # runs: give it that loop once the cache is full and once at the end, so the prompts
@@ -45,7 +45,7 @@ def test_evicted_prefix_not_reported_as_hit(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
     engine.ensure(EngineConfig())
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     target = prompts.fresh(8 * block)
     cold = engine.serve_prompt(target)
     filler = fill_cache(engine, prompts)

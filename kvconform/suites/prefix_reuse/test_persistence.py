@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, restart
+from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, deployed_block_size, restart
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -28,7 +28,7 @@ PERSISTENT = EngineConfig(persistent=True)
 
 def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has) -> None:
     engine.ensure(PERSISTENT)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     prompt = prompts.fresh(8 * block + block // 3)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
     engine.facet(PersistentTier).flush()
@@ -60,7 +60,7 @@ def test_corrupt_persisted_entry_recomputed(
     engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
     engine.ensure(PERSISTENT)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     before = set(engine.facet(PersistentTier).files())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt, answer_tokens(has))

@@ -14,7 +14,14 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, RemoteStore, restart
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    PersistentTier,
+    RemoteStore,
+    deployed_block_size,
+    restart,
+)
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -39,7 +46,7 @@ def test_remote_damaged_entry_recomputed(
     engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict
 ) -> None:
     engine.ensure(PERSISTENT)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     intact = prompts.fresh(4 * block + 1)
     intact_cold = engine.serve_prompt(intact)
     engine.facet(PersistentTier).flush()

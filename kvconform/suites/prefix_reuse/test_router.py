@@ -22,7 +22,15 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvEvents, KvRouter, poll_until, read_metric
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    KvEvents,
+    KvRouter,
+    deployed_block_size,
+    poll_until,
+    read_metric,
+)
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -52,7 +60,7 @@ def test_router_prediction_matches_worker(
     if events:
         engine.facet(KvEvents).drain_events()
     mark = engine.ledger.mark()
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     system = prompts.fresh(4 * block + 3)
     workload = [prompts.extend(system, 6 * block + i) for i in range(4)]
     workload += [workload[0], workload[2]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import DisaggregatedServing, EngineAdapter, EngineConfig
+from kvconform.contract import DisaggregatedServing, EngineAdapter, EngineConfig, deployed_block_size
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -25,7 +25,7 @@ def test_disaggregated_serving_reports_prefix_reuse(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
     engine.ensure(EngineConfig(disaggregated=True))
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     # Another prompt of the same shape first: a block key that does not cover the block's tokens
     # (colliding hashes, GHSA-rm76-4mrf-v9r8's class) serves its KV to the fresh prompt.
     engine.facet(DisaggregatedServing).serve_disaggregated(prompts.fresh(4 * block + 5))

@@ -23,6 +23,7 @@ from kvconform.contract import (
     KvTransfer,
     ReleaseGuard,
     StreamAborts,
+    deployed_block_size,
     metric_delta,
     read_metric,
 )
@@ -112,7 +113,11 @@ def compare_resident(
             note="right after filling the cache past capacity: every eviction must have been announced",
         )
     elif after_fill is not None:
-        pool = engine.facet(KvPool).cache_capacity_tokens() // engine.block_size() * engine.traits.workers
+        pool = (
+            engine.facet(KvPool).cache_capacity_tokens()
+            // deployed_block_size(engine)
+            * engine.traits.workers
+        )
         verdict.expect(
             "resident_blocks_ledger_vs_pool",
             after_fill.ledger,
@@ -146,7 +151,7 @@ def test_event_ledger_consistent(
 ) -> None:
     engine.ensure(EngineConfig())
     mark = ledger_mark(engine)
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     system = prompts.fresh(5 * block + 2)
     for i in range(6):
         engine.serve_prompt(prompts.extend(system, 8 * block + i))
@@ -182,7 +187,7 @@ def compare_evicted(engine: EngineAdapter, verdict: Verdict, fill_mark: int, bef
     verdict.require("tokens_evicted_by_fill", evicted, ">", 0, "tokens", note="the fill must force evictions")
     verdict.equal(
         "removed_tokens_vs_engine_evicted",
-        removed * engine.block_size(),
+        removed * deployed_block_size(engine),
         evicted,
         "tokens",
         note="blocks announced removed during the fill x block size vs the engine's evicted-tokens counter",
@@ -196,7 +201,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     engine.ensure(EngineConfig())
     events = has(C.KV_EVENTS)
     mark = ledger_mark(engine) if events else 0
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     refused = ""
     cut = 0
     # The read after the cuts can only fail if a request nobody aborted would still be running
@@ -303,7 +308,7 @@ def test_release_guard_holds(engine: EngineAdapter, prompts: PromptFactory, verd
     every slot the request held; the second is refused or ignored, never an assertion (which
     ends a production scheduler, and is stripped under python -O), and frees nothing more."""
     engine.ensure(EngineConfig())
-    block = engine.block_size()
+    block = deployed_block_size(engine)
     tokens = prompts.fresh(3 * block + 2)
     guard = engine.facet(ReleaseGuard)
     result = guard.release_twice(tokens)

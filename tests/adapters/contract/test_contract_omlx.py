@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.adapters.omlx.adapter import BLOCK_SIZE, OmlxAdapter, token_ids, words
-from kvconform.contract import AdapterContext, metric_delta, read_metric, supported
+from kvconform.contract import AdapterContext, deployed_block_size, metric_delta, read_metric, supported
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.processes import free_port
@@ -26,7 +26,7 @@ def test_token_ids_travel_as_words_and_cached_tokens_are_read(omlx: OmlxAdapter)
 
 
 def test_block_size_is_read_from_runtime_cache(omlx: OmlxAdapter) -> None:
-    assert omlx.block_size() == 16  # attached: the server's block, not oMLX's default 256
+    assert deployed_block_size(omlx) == 16  # attached: the server's block, not oMLX's default 256
 
 
 def test_resolved_block_size_is_the_servers_report(omlx: OmlxAdapter, fake_omlx: FakeOmlx) -> None:
@@ -39,7 +39,7 @@ def test_resolved_block_size_is_the_servers_report(omlx: OmlxAdapter, fake_omlx:
 
 def test_launched_block_size_is_the_fixed_one_never_the_report(tmp_path: Path) -> None:
     launched = OmlxAdapter(AdapterContext(workdir=tmp_path))
-    assert launched.block_size() == BLOCK_SIZE == 256
+    assert deployed_block_size(launched) == BLOCK_SIZE == 256
     assert C.BLOCK_SIZE_CONFIG not in launched.capabilities  # `omlx serve` cannot set it
 
 

@@ -26,6 +26,7 @@ from kvconform.contract import (
     AdapterContext,
     EngineConfig,
     RadixCacheModel,
+    deployed_block_size,
     metric_delta,
     read_metric,
     supported,
@@ -140,7 +141,7 @@ def test_flush_cache_http_500_is_not_retried(sglang: SglangServerAdapter, fake_s
 # ---- server info ----------------------------------------------------------------------------
 def test_server_info_gives_version_page_size_and_capacity(sglang: SglangServerAdapter) -> None:
     assert sglang.version == "0.5.23+contract-fake"
-    assert sglang.block_size() == 32
+    assert deployed_block_size(sglang) == 32
     assert sglang.deployment.block_size == 32  # the attached server's page size
     assert sglang.cache_capacity_tokens() == 4096
 
@@ -149,7 +150,7 @@ def test_older_server_info_endpoint_is_used_when_the_new_one_is_missing(tmp_path
     fake = FakeSglang(page_size=16, legacy=True)
     adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, url=fake.url))
     try:
-        assert adapter.block_size() == 16
+        assert deployed_block_size(adapter) == 16
         assert ("GET", "/get_server_info") in fake.log
     finally:
         fake.close()
@@ -266,9 +267,9 @@ def test_sgl_kernel_stand_in_imports_and_raises_when_called() -> None:
 
 def test_launched_oracles_come_from_the_request_not_the_server(tmp_path: Path) -> None:
     adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path))
-    assert adapter.block_size() == 16 and adapter.cache_capacity_tokens() == 4096
+    assert deployed_block_size(adapter) == 16 and adapter.cache_capacity_tokens() == 4096
     adapter.config = EngineConfig(block_size=64)
-    assert adapter.block_size() == 64
+    assert deployed_block_size(adapter) == 64
 
 
 def test_the_resolved_page_size_is_the_servers_not_the_request(tmp_path: Path) -> None:
@@ -281,7 +282,7 @@ def test_the_resolved_page_size_is_the_servers_not_the_request(tmp_path: Path) -
     try:
         adapter.config = EngineConfig(block_size=32)
         assert adapter.resolved_block_size() == 16
-        assert adapter.block_size() == 32
+        assert deployed_block_size(adapter) == 32
     finally:
         fake.close()
 
@@ -342,7 +343,7 @@ def test_bad_answers_are_clear_engine_errors(
         elif call == "metrics":
             sglang.metrics()
         else:
-            sglang.block_size()
+            deployed_block_size(sglang)
 
 
 def test_unreachable_url_names_the_engine(tmp_path: Path) -> None:

@@ -22,7 +22,14 @@ from kvconform.adapters.trtllm.adapter import (
     parse_kv_event,
     release_line,
 )
-from kvconform.contract import AdapterContext, EngineConfig, metric_delta, read_metric, supported
+from kvconform.contract import (
+    AdapterContext,
+    EngineConfig,
+    deployed_block_size,
+    metric_delta,
+    read_metric,
+    supported,
+)
 from kvconform.contract import Capability as C
 from kvconform.errors import EngineError, UsageError
 from kvconform.metrics import parse_prometheus
@@ -136,7 +143,7 @@ def test_block_pool_stats_read_from_drained_metrics(trtllm: TrtllmAdapter, fake_
     assert last.hit_rate == pytest.approx(4 / (10 + warmup), abs=1e-6)
     assert all(p.cumulative for p in pools)
     assert trtllm.resolved_block_size() == 8  # the fake's pool; asked for: the default
-    assert trtllm.block_size() == trtllm.deployment.block_size
+    assert deployed_block_size(trtllm) == trtllm.deployment.block_size
     # drained: the server holds nothing more, yet the adapter still has every iteration
     assert fake_trtllm.iterations == []
     assert len(trtllm.block_pool_stats()) == 4
