@@ -4,7 +4,7 @@ Suites never name an engine. They mark each check with the capabilities it needs
 (`@pytest.mark.requires(Capability.X)`); an engine lacking one is skipped with
 "engine E lacks capability X". The core below is what every check uses: start, stop, ensure,
 health, pids, the block size, metrics, logs, serve_prompt. Every feature beyond it is a typed
-facet (kvconform.contract.facets) that `facet()` returns: the adapter itself where it
+facet (kvconform.contract.facets) that `facet(engine, Kind)` returns: the adapter itself where it
 inherits the facet, or what its method marked @provides(Facet) makes. Declaring a capability
 is a promise that what it needs (kvconform.contract.requirements) is there: registration
 refuses an adapter that declares one without it (fsspec's abstract-test pattern).
@@ -44,7 +44,7 @@ FACET_MARK = "__kvconform_facet__"
 
 def provides(kind: type) -> Callable[[MakerT], MakerT]:
     """Mark an adapter method (no arguments but self) as the maker of facet `kind`:
-    `engine.facet(kind)` calls it. A subclass that overrides the method keeps the mark."""
+    `facet(engine, kind)` calls it. A subclass that overrides the method keeps the mark."""
 
     def mark(make: MakerT) -> MakerT:
         setattr(make, FACET_MARK, kind)
@@ -173,20 +173,6 @@ class EngineAdapter(ABC):
         it if not)."""
         return self.running()
 
-    # ---- features: typed facets (kvconform.contract.facets) ------------------------------
-    def facet(self, kind: type[FacetT]) -> FacetT:
-        """This engine's `kind` facet (persistent tier, offload tier, instance churn, ...),
-        made by the adapter's method marked @provides(kind), or the adapter itself where it
-        inherits `kind`; NotImplementedError naming both where it has none (registration
-        refuses a capability without its facet)."""
-        maker = facet_makers(type(self)).get(kind)
-        if maker is not None:
-            made: FacetT = getattr(self, maker)()
-            return made
-        if isinstance(self, kind):
-            return self
-        raise NotImplementedError(f"engine {self.name} provides no {kind.__name__} facet")
-
     # ---- memory -------------------------------------------------------------------------
     def engine_pids(self) -> list[int]:
         """Every live process of the engine (its whole tree)."""
@@ -302,8 +288,22 @@ def class_provides(cls: type, kind: type) -> bool:
     return kind in facet_makers(cls) or issubclass(cls, kind)
 
 
+def facet(adapter: EngineAdapter, kind: type[FacetT]) -> FacetT:
+    """The engine's `kind` facet (persistent tier, offload tier, instance churn, ...), made by
+    the adapter's method marked @provides(kind), or the adapter itself where it inherits
+    `kind`; NotImplementedError naming both where it has none (registration refuses a
+    capability without its facet)."""
+    maker = facet_makers(type(adapter)).get(kind)
+    if maker is not None:
+        made: FacetT = getattr(adapter, maker)()
+        return made
+    if isinstance(adapter, kind):
+        return adapter
+    raise NotImplementedError(f"engine {adapter.name} provides no {kind.__name__} facet")
+
+
 def has_facet(adapter: EngineAdapter, kind: type) -> bool:
-    """Whether `adapter` provides facet `kind` (adapter.facet(kind) would not raise)."""
+    """Whether `adapter` provides facet `kind` (facet(adapter, kind) would not raise)."""
     return class_provides(type(adapter), kind)
 
 
@@ -312,4 +312,4 @@ def attached_server(adapter: EngineAdapter) -> AttachedServer:
     attach to (kvconform.kit.http_api adds one)."""
     if not has_facet(adapter, AttachedServer):
         raise UsageError(f"engine {adapter.name} has no server API to attach to at {adapter.ctx.url}")
-    return adapter.facet(AttachedServer)
+    return facet(adapter, AttachedServer)

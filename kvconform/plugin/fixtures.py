@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvconform import report
-from kvconform.contract import Capability, EngineAdapter, SelfChecks, has_facet, supported
+from kvconform.contract import Capability, EngineAdapter, SelfChecks, facet, has_facet, supported
 from kvconform.plugin.collection import check_id, engine_of
 from kvconform.plugin.session import KvSession, kv_session, selected_engines
 from kvconform.prompts import PromptFactory
@@ -61,7 +61,7 @@ class Fixtures:
         request.node.stash[verdict_key] = v
         engine = kv_session(request.config).adapter(name) if name else None
         if engine is not None and has_facet(engine, SelfChecks):
-            checks = engine.facet(SelfChecks)
+            checks = facet(engine, SelfChecks)
             if checks.self_check_alarms(settle=False) is not None:  # drains earlier ones
                 v.before_conclude.append(lambda verdict: judge_self_checks(checks, verdict, engine.name))
         yield v

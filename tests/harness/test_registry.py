@@ -16,6 +16,7 @@ from kvconform.contract import (
     PersistentTier,
     ReclaimProbe,
     ServedPrompt,
+    facet,
     provides,
 )
 from kvconform.contract import Capability as C
@@ -74,9 +75,9 @@ def test_a_facet_capability_needs_its_facet() -> None:
 def test_a_facet_is_found_through_its_mark_and_refused_by_name_without_one(tmp_path: Path) -> None:
     adapter = HalfDoneAdapter(AdapterContext(workdir=tmp_path))
     with pytest.raises(AssertionError, match="never called"):
-        adapter.facet(InstanceChurn)  # the marked method is what facet() calls
+        facet(adapter, InstanceChurn)  # the marked method is what facet() calls
     with pytest.raises(NotImplementedError, match="engine half-done provides no PersistentTier facet"):
-        adapter.facet(PersistentTier)
+        facet(adapter, PersistentTier)
 
 
 def test_every_listed_need_is_a_contract_stub_or_a_facet_type() -> None:

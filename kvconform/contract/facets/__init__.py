@@ -5,7 +5,7 @@ routes, op names or status codes. An adapter provides one either by inheriting i
 methods implement it: the facets whose methods are named to sit on an adapter, KvPool's
 kv_pool_bytes for one) or with
 a method marked @provides(Facet) that returns an object implementing it; suites ask
-engine.facet(Facet) either way.
+facet(engine, Facet) either way.
 
 One module per concern: routing, radix, replay, tiers, memory, transfer, serving.
 """

@@ -22,7 +22,14 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, InstanceChurn, ReclaimProbe, deployed_block_size
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    InstanceChurn,
+    ReclaimProbe,
+    deployed_block_size,
+    facet,
+)
 from kvconform.memory import MemoryMeasure
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -69,7 +76,7 @@ class ContinuousSampler(PeriodicSampler):
 def test_churn_returns_to_baseline(
     engine: EngineAdapter, path: str, prompts: PromptFactory, verdict: Verdict, request: pytest.FixtureRequest
 ) -> None:
-    churn = engine.facet(InstanceChurn)
+    churn = facet(engine, InstanceChurn)
     if path not in churn.paths:
         pytest.skip(f"engine {engine.name} has no release path {path!r} (has {', '.join(churn.paths)})")
     engine.ensure(EngineConfig())
@@ -79,18 +86,18 @@ def test_churn_returns_to_baseline(
     system = prompts.fresh(4 * block)
     for warmup in range(churn.warmup_cycles(path)):  # allocator pools and caches settle first
         churn.cycle(churn.warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
-    baseline_measures = engine.facet(ReclaimProbe).reclaim_probe()
-    baseline = settled(engine.facet(ReclaimProbe).reclaim_probe, None, window_s=1.0)
+    baseline_measures = facet(engine, ReclaimProbe).reclaim_probe()
+    baseline = settled(facet(engine, ReclaimProbe).reclaim_probe, None, window_s=1.0)
     values: dict[str, list[float]] = {name: [] for name in baseline}
     most = max(cycles, churn.cycles(path, MAX_CYCLE_FACTOR * cycles))
     step = max(2, cycles // 2)
     done = 0
-    with ContinuousSampler(engine.facet(ReclaimProbe).reclaim_probe) as sampler:
+    with ContinuousSampler(facet(engine, ReclaimProbe).reclaim_probe) as sampler:
         target = cycles
         while True:
             for cycle in range(done + 1, target + 1):
                 churn.cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
-                post = settled(engine.facet(ReclaimProbe).reclaim_probe, baseline_measures)
+                post = settled(facet(engine, ReclaimProbe).reclaim_probe, baseline_measures)
                 for name in values:
                     values[name].append(post.get(name, float("nan")))
             done = target
@@ -148,7 +155,7 @@ def test_churn_returns_to_baseline(
 def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     """Releasing an instance twice must be refused cleanly, and the engine stay healthy."""
     engine.ensure(EngineConfig())
-    churn = engine.facet(InstanceChurn)
+    churn = facet(engine, InstanceChurn)
     result = churn.second_release(churn.paths[0], prompts.fresh(4 * deployed_block_size(engine)))
     verdict.record("answers", result.detail)
     verdict.equal("first_release_done", int(result.first_released), 1)

@@ -21,7 +21,7 @@ import hashlib
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, IndexBlock, IndexEvent, RouterIndex
+from kvconform.contract import EngineAdapter, IndexBlock, IndexEvent, RouterIndex, facet
 from kvconform.oracles import theil_sen
 from kvconform.results import Verdict
 
@@ -47,7 +47,7 @@ def stored(parent: int | None, hashes: list[int], event_id: int) -> IndexEvent:
 
 def test_radix_index_memory_flat_under_eviction_churn(engine: EngineAdapter, verdict: Verdict) -> None:
     tree = "index-churn"
-    index = engine.facet(RouterIndex)
+    index = facet(engine, RouterIndex)
     index.new_tree(tree)
     shared = [block_hash("shared", i) for i in range(SHARED_BLOCKS)]
     rss: list[float] = []

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, ReclaimProbe
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, ReclaimProbe, facet
 from kvconform.memory import sample_processes
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -44,7 +44,7 @@ TURN_MULTIPLE = 2  # whole-session growth of exact measures: at most two turns' 
 def exact_bytes(engine: EngineAdapter) -> dict[str, float] | None:
     """The engine's exact byte measures now; None if it has no reclaim probe."""
     try:
-        probe = engine.facet(ReclaimProbe).reclaim_probe()
+        probe = facet(engine, ReclaimProbe).reclaim_probe()
     except NotImplementedError:
         return None
     return {name: m.value for name, m in probe.items() if m.exact and m.unit == "bytes" and m.holds_kv}
@@ -84,7 +84,7 @@ def test_long_session_bounded(
     rss, exact, cached, history = judged.rss, judged.exact, judged.cached, judged.history
     turn_tokens = OUTPUT_TOKENS + NEW_TOKENS_PER_TURN
     turn_kv = engine.deployment.model.kv_bytes_per_token() * turn_tokens
-    pool = engine.facet(KvPool).kv_pool_bytes()
+    pool = facet(engine, KvPool).kv_pool_bytes()
     bound = pool + NOISY_TOLERANCE_BYTES
     growth = rss[-1] - min(rss[:WARMUP_TURNS])
     trend = theil_sen(rss[WARMUP_TURNS:])

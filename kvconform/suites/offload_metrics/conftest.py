@@ -22,6 +22,7 @@ from kvconform.contract import (
     OffloadTier,
     ServedPrompt,
     deployed_block_size,
+    facet,
     supported,
 )
 from kvconform.contract import Capability as C
@@ -58,7 +59,7 @@ def drive(
     answer = answer_tokens(lambda capability: capability in supported(engine))
     batch = [prompts.fresh(8 * block + 5) for _ in range(PROMPTS)]
     cold = [engine.serve_prompt(tokens, answer) for tokens in batch]
-    engine.facet(OffloadTier).wait_idle()
+    facet(engine, OffloadTier).wait_idle()
     drop_from_device(engine, prompts)
     return batch, cold, [engine.serve_prompt(tokens, answer) for tokens in batch]
 
@@ -67,13 +68,13 @@ def drop_from_device(engine: EngineAdapter, prompts: PromptFactory) -> None:
     """The engine's own reset where it has one; else LRU eviction by fresh prompts of twice the
     device pool (as the eviction check fills it), which the host tier must hold beside them."""
     if C.RESET_PREFIX_CACHE in supported(engine):
-        engine.facet(CacheReset).reset_prefix_cache()
+        facet(engine, CacheReset).reset_prefix_cache()
         return
     block = deployed_block_size(engine)
     filler = 16 * block
-    for _ in range(-(-2 * engine.facet(KvPool).cache_capacity_tokens() // filler)):
+    for _ in range(-(-2 * facet(engine, KvPool).cache_capacity_tokens() // filler)):
         engine.serve_prompt(prompts.fresh(filler))
-    engine.facet(OffloadTier).wait_idle()
+    facet(engine, OffloadTier).wait_idle()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, OffloadTier, deployed_block_size
+from kvconform.contract import (
+    CacheReset,
+    EngineAdapter,
+    EngineConfig,
+    OffloadTier,
+    deployed_block_size,
+    facet,
+)
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -41,8 +48,8 @@ def test_store_threshold_counts_offers(
     answer = answer_tokens(has)
     engine.serve_prompt(once)
     served_hot = [engine.serve_prompt(hot, answer) for _ in range(THRESHOLD)]
-    engine.facet(OffloadTier).wait_idle()
-    engine.facet(CacheReset).reset_prefix_cache()
+    facet(engine, OffloadTier).wait_idle()
+    facet(engine, CacheReset).reset_prefix_cache()
     once_again = engine.serve_prompt(once)
     hot_again = engine.serve_prompt(hot, answer)
     verdict.require(

@@ -20,6 +20,7 @@ from kvconform.contract import (
     EngineConfig,
     OffloadTier,
     deployed_block_size,
+    facet,
     metric_delta,
     supported,
 )
@@ -50,7 +51,7 @@ def judge_against_transfers(engine: EngineAdapter, sampler: GaugeSampler, verdic
     """The write gauge against the stores the engine's transfer worker had in flight, the read
     gauge against its loads: above 0 only around a transfer (a gauge stuck after its transfers
     ended is VIOLATED)."""
-    log = engine.facet(OffloadTier).transfer_log()
+    log = facet(engine, OffloadTier).transfer_log()
     if log is None:
         verdict.record(
             "transfer_log", f"engine {engine.name}'s transfer worker does not say what it has in flight"
@@ -138,7 +139,7 @@ def test_offload_byte_counters_match_blocks(
     engine: EngineAdapter, offload_run: OffloadRun, verdict: Verdict
 ) -> None:
     """Stored/loaded bytes = blocks moved x block bytes, block bytes from the model shape."""
-    block_bytes = engine.facet(OffloadTier).block_bytes()
+    block_bytes = facet(engine, OffloadTier).block_bytes()
     stored = metric_delta(engine, "offload_store_bytes", offload_run.before, offload_run.after)
     loaded = metric_delta(engine, "offload_load_bytes", offload_run.before, offload_run.after)
     expected_loaded_blocks = offload_run.expected_host_hit_tokens // offload_run.block_size
@@ -201,7 +202,7 @@ def test_failed_store_releases_pending_write(
 ) -> None:
     engine.ensure(EngineConfig(offload=True))
     before = engine.metrics()
-    engine.facet(OffloadTier).fail_stores(True)
+    facet(engine, OffloadTier).fail_stores(True)
     try:
         with GaugeSampler(engine) as sampler:
             for _ in range(3):
@@ -214,9 +215,9 @@ def test_failed_store_releases_pending_write(
                 time.sleep(0.05)
             time.sleep(0.5)
     finally:
-        engine.facet(OffloadTier).fail_stores(False)
+        facet(engine, OffloadTier).fail_stores(False)
     after = engine.metrics()
-    failed = engine.facet(OffloadTier).failed_stores(before, after)
+    failed = facet(engine, OffloadTier).failed_stores(before, after)
     idle = [s for s in sampler.samples if s.t >= ended]
     verdict.require("stores_failed", failed, ">=", 1, note="the failure path must really have run")
     # Not required: a failed store may end within one sampling interval (vLLM 0.32.0: no sample

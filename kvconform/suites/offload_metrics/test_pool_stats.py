@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from kvconform.contract import BlockPoolStats, EngineAdapter, EngineConfig, KvPool, deployed_block_size
+from kvconform.contract import BlockPoolStats, EngineAdapter, EngineConfig, KvPool, deployed_block_size, facet
 from kvconform.contract import Capability as C
 from kvconform.oracles import pages
 from kvconform.prompts import PromptFactory
@@ -43,13 +43,13 @@ def expected_hit_rate(stats: BlockPoolStats) -> float:
 def settled_stats(engine: EngineAdapter, before: int) -> list[BlockPoolStats]:
     """Iterations are published asynchronously: wait for new ones, then until none arrive."""
     deadline = time.monotonic() + SETTLE_S
-    pools = engine.facet(KvPool).block_pool_stats()
+    pools = facet(engine, KvPool).block_pool_stats()
     while len(pools) <= before and time.monotonic() < deadline:
         time.sleep(0.2)
-        pools = engine.facet(KvPool).block_pool_stats()
+        pools = facet(engine, KvPool).block_pool_stats()
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        more = engine.facet(KvPool).block_pool_stats()
+        more = facet(engine, KvPool).block_pool_stats()
         if len(more) == len(pools):
             break
         pools = more
@@ -70,7 +70,7 @@ def test_block_pool_stats_consistent(engine: EngineAdapter, prompts: PromptFacto
     # One unrelated request first, so cumulative counters have a baseline iteration of this
     # run (an engine's own warm-up may already be counted in them).
     engine.serve_prompt(prompts.fresh(2 * block))
-    before_pools = settled_stats(engine, len(engine.facet(KvPool).block_pool_stats()) - 1)
+    before_pools = settled_stats(engine, len(facet(engine, KvPool).block_pool_stats()) - 1)
     before = len(before_pools)
     shared = prompts.fresh(4 * block + 3)
     workload = [prompts.extend(shared, 6 * block + i) for i in range(PROMPTS)]

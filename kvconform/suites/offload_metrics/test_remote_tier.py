@@ -22,6 +22,7 @@ from kvconform.contract import (
     RemoteStore,
     ServedPrompt,
     deployed_block_size,
+    facet,
     metric_delta,
     read_metric,
     restart,
@@ -47,21 +48,21 @@ FRESH_PROMPTS = 2  # prompts stored once it takes writes again
 
 def stored_bytes(engine: EngineAdapter) -> int:
     """Bytes of the KV objects the remote store holds now, by its own count."""
-    entries = engine.facet(RemoteStore).entries()
+    entries = facet(engine, RemoteStore).entries()
     return sum(entries.values())
 
 
 def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
-    engine.facet(RemoteStore).wipe()
+    facet(engine, RemoteStore).wipe()
     engine.ensure(PERSISTENT)
     block = deployed_block_size(engine)
-    chunk_bytes = engine.facet(PersistentTier).block_bytes()
+    chunk_bytes = facet(engine, PersistentTier).block_bytes()
     chunks = 8
     before = engine.metrics()
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
-    engine.facet(PersistentTier).flush()
+    facet(engine, PersistentTier).flush()
     after = engine.metrics()
-    entries = engine.facet(RemoteStore).entries()
+    entries = facet(engine, RemoteStore).entries()
     held = sum(entries.values())
     verdict.equal("remote_objects", len(entries), chunks, "objects", note="one object per whole chunk")
     verdict.equal(
@@ -69,7 +70,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
     )
     verdict.equal(
         "remote_foreign_objects",
-        engine.facet(RemoteStore).objects_total() - len(entries),
+        facet(engine, RemoteStore).objects_total() - len(entries),
         0,
         "objects",
         note="the store holds nothing but the engine's entries",
@@ -81,7 +82,7 @@ def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFacto
         "objects",
     )
     verdict.equal("l2_usage_bytes", read_metric(engine, "l2_usage_bytes", after), held, "bytes")
-    overhead = [engine.facet(RemoteStore).memory_usage(k) - n for k, n in entries.items()]
+    overhead = [facet(engine, RemoteStore).memory_usage(k) - n for k, n in entries.items()]
     verdict.record("remote_memory_overhead_per_object", max(overhead, default=0), "bytes")
     restart(engine)
     restarted = engine.metrics()
@@ -101,10 +102,10 @@ def settled_entries(
     """The engine's remote entries once they stop changing for quiet_s (background eviction
     runs periodically); after timeout_s, whatever is there."""
     t0 = time.monotonic()
-    last, since = engine.facet(RemoteStore).entries(), time.monotonic()
+    last, since = facet(engine, RemoteStore).entries(), time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         time.sleep(0.5)
-        now = engine.facet(RemoteStore).entries()
+        now = facet(engine, RemoteStore).entries()
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -115,19 +116,19 @@ def settled_entries(
 def test_remote_tier_eviction_within_capacity(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.facet(RemoteStore).wipe()
+    facet(engine, RemoteStore).wipe()
     engine.ensure(PERSISTENT)
     block = deployed_block_size(engine)
-    chunk_bytes = engine.facet(PersistentTier).block_bytes()
-    capacity = engine.facet(RemoteStore).capacity_bytes()
+    chunk_bytes = facet(engine, PersistentTier).block_bytes()
+    capacity = facet(engine, RemoteStore).capacity_bytes()
     per_prompt = 8
     prompts_needed = 2 * capacity // (per_prompt * chunk_bytes)
     peak = 0
     for _ in range(prompts_needed):
         engine.serve_prompt(prompts.fresh(per_prompt * block))
-        engine.facet(PersistentTier).flush()
+        facet(engine, PersistentTier).flush()
         peak = max(peak, stored_bytes(engine))
-    engine.facet(PersistentTier).flush()
+    facet(engine, PersistentTier).flush()
     entries, settled_after = settled_entries(engine)
     held = sum(entries.values())
     verdict.record("remote_settled_after_s", settled_after, "s")
@@ -147,7 +148,7 @@ def test_remote_tier_eviction_within_capacity(
         note="after eviction the gauge and the store agree",
     )
     verdict.equal(
-        "remote_foreign_objects", engine.facet(RemoteStore).objects_total() - len(entries), 0, "objects"
+        "remote_foreign_objects", facet(engine, RemoteStore).objects_total() - len(entries), 0, "objects"
     )
     verdict.conclude()
 
@@ -157,8 +158,8 @@ def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdi
     block = deployed_block_size(engine)
     stored = prompts.fresh(4 * block + 1)
     cold = engine.serve_prompt(stored)
-    engine.facet(PersistentTier).flush()
-    report = engine.facet(RemoteStore).down()
+    facet(engine, PersistentTier).flush()
+    report = facet(engine, RemoteStore).down()
     verdict.expect("remote_teardown_leftovers", int(not report.clean), "==", 0, note=report.describe())
     outcomes: dict[str, tuple[str, ServedPrompt | str]] = {}
     for label, tokens in (("fresh", prompts.fresh(4 * block + 1)), ("stored", stored)):
@@ -241,15 +242,15 @@ def test_remote_store_counters_track_pending_writes(
     Several prompts are refused and several stored afterwards, as under a store that is full for
     a while: an engine spreads its stores over several connections, and a fault that breaks only
     the connections a refusal reached shows on all of them only once each has been refused."""
-    engine.facet(RemoteStore).wipe()
+    facet(engine, RemoteStore).wipe()
     engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
     block = deployed_block_size(engine)
-    chunk_bytes = engine.facet(PersistentTier).block_bytes()
+    chunk_bytes = facet(engine, PersistentTier).block_bytes()
     chunks = 8
     names = engine.metric_map
     l1_before = read_metric(engine, "l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
 
-    engine.facet(RemoteStore).pause_writes(PAUSE_S)
+    facet(engine, RemoteStore).pause_writes(PAUSE_S)
     paused_until = time.monotonic() + PAUSE_S
     engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
     seen: list[float] = []
@@ -266,28 +267,28 @@ def test_remote_store_counters_track_pending_writes(
         note=f"the store held every write for {PAUSE_S:.0f} s: all {chunks} chunks are in flight",
     )
     landed_after = seconds_until_steady(
-        lambda: len(engine.facet(RemoteStore).entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
+        lambda: len(facet(engine, RemoteStore).entries()) >= chunks, PAUSE_S + SETTLE_S, quiet_s=1.0
     )
     verdict.record("remote_objects_landed_after_s", landed_after, "s")
-    verdict.equal("remote_objects_after_pause", len(engine.facet(RemoteStore).entries()), chunks, "objects")
+    verdict.equal("remote_objects_after_pause", len(facet(engine, RemoteStore).entries()), chunks, "objects")
     pending_before_refusals = pending_objects(engine)
     tasks_before_refusals = pending_tasks(engine) if "l2_store_submitted_requests" in names else 0.0
     verdict.equal("l2_pending_objects_after_pause", pending_before_refusals, 0, "objects")
 
-    refused_before = engine.facet(RemoteStore).refused_writes()
+    refused_before = facet(engine, RemoteStore).refused_writes()
     refused = prompts.fresh(chunks * block + block // 3)
-    engine.facet(RemoteStore).refuse_writes(True)
+    facet(engine, RemoteStore).refuse_writes(True)
     try:
         cold = engine.serve_prompt(refused)
         for _ in range(REFUSED_PROMPTS - 1):
             engine.serve_prompt(prompts.fresh(chunks * block + block // 3))
         refused_after = seconds_until_steady(
-            lambda: engine.facet(RemoteStore).refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
+            lambda: facet(engine, RemoteStore).refused_writes() > refused_before, SETTLE_S, quiet_s=1.0
         )
     finally:
-        engine.facet(RemoteStore).refuse_writes(False)
+        facet(engine, RemoteStore).refuse_writes(False)
     verdict.record("remote_refusals_after_s", refused_after, "s")
-    refused_total = engine.facet(RemoteStore).refused_writes()
+    refused_total = facet(engine, RemoteStore).refused_writes()
     verdict.expect(
         "remote_refused_writes",
         refused_total - refused_before,
@@ -352,7 +353,7 @@ def test_remote_store_counters_track_pending_writes(
     # Fresh prompts, not the refused ones: L2 is written behind L1 and a chunk still resident in
     # L1 is not stored again (LMCache 0.5.6 L1Manager.reserve_write -> KEY_NOT_WRITABLE), so
     # only new chunks show whether the tier takes writes again.
-    held_before_again = len(engine.facet(RemoteStore).entries())
+    held_before_again = len(facet(engine, RemoteStore).entries())
     snap_before_again = engine.metrics()
     completed_before_again = read_metric(engine, "l2_store_completed", snap_before_again)
     submitted_before_again = read_metric(engine, "l2_store_submitted", snap_before_again)
@@ -378,7 +379,7 @@ def test_remote_store_counters_track_pending_writes(
     )
     verdict.record(
         "remote_objects_after_refusals_end",
-        len(engine.facet(RemoteStore).entries()) - held_before_again,
+        len(facet(engine, RemoteStore).entries()) - held_before_again,
         "objects",
         note=f"of {fresh}; recorded: a client that misreads the store's replies can still send "
         "a write the store keeps (how many depends on how the engine batches its stores), so "
@@ -386,7 +387,7 @@ def test_remote_store_counters_track_pending_writes(
     )
     verdict.record(
         "remote_refused_writes_after_refusals_end",
-        engine.facet(RemoteStore).refused_writes() - refused_total,
+        facet(engine, RemoteStore).refused_writes() - refused_total,
         "writes",
         note="counted by the store: 0 means it refused nothing more",
     )

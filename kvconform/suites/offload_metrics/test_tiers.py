@@ -21,6 +21,7 @@ from kvconform.contract import (
     KvPool,
     PersistentTier,
     deployed_block_size,
+    facet,
     metric_delta,
     read_metric,
 )
@@ -41,7 +42,7 @@ def test_tiered_store_metrics_consistent(
     judged = [name for name in L2_ACCOUNTING if name in names]
     if not judged:
         pytest.fail(f"{engine.name} declares {C.TIERED_STORE_METRICS} but maps none of {L2_ACCOUNTING}")
-    tier = engine.facet(PersistentTier)
+    tier = facet(engine, PersistentTier)
     entries_before = tier.sizes()
     before = engine.metrics()
     block = deployed_block_size(engine)
@@ -126,7 +127,7 @@ def test_tiered_store_metrics_consistent(
         )
     if "l1_usage_ratio" in names:
         ratio = read_metric(engine, "l1_usage_ratio", after)
-        expected = read_metric(engine, "l1_usage_bytes", after) / engine.facet(KvPool).kv_pool_bytes()
+        expected = read_metric(engine, "l1_usage_bytes", after) / facet(engine, KvPool).kv_pool_bytes()
         verdict.equal(
             "l1_usage_ratio",
             ratio,

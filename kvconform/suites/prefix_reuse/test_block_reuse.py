@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, facet
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -26,7 +26,7 @@ def cache(engine: EngineAdapter, has) -> EngineAdapter:
     """The engine at its default block size, prefix cache emptied when it can be."""
     engine.ensure(EngineConfig())
     if has(C.RESET_PREFIX_CACHE):
-        engine.facet(CacheReset).reset_prefix_cache()
+        facet(engine, CacheReset).reset_prefix_cache()
     return engine
 
 
@@ -106,7 +106,7 @@ def test_reset_drops_cached_prefix(
         "tokens",
         note="the prefix was cached before the reset (judged by test_repeated_prompt_served_from_cache)",
     )
-    cache.facet(CacheReset).reset_prefix_cache()
+    facet(cache, CacheReset).reset_prefix_cache()
     before = cache.metrics() if has(C.PREFIX_HIT_COUNTERS) else None
     after = cache.serve_prompt(prompt, answer_tokens(has))
     verdict.equal("cached_tokens_after_reset", after.cached_tokens, 0, "tokens")
@@ -130,7 +130,7 @@ def test_partial_block_prefix_hits_match_oracle(
         )
     engine.ensure(EngineConfig(block_size=block_size))
     if has(C.RESET_PREFIX_CACHE):
-        engine.facet(CacheReset).reset_prefix_cache()
+        facet(engine, CacheReset).reset_prefix_cache()
     shared = 3 * block_size + block_size // 2 + 1
     prefix = prompts.fresh(shared)
     first = prompts.extend(prefix, 2 * shared)
@@ -160,7 +160,7 @@ def test_partial_block_prefix_hits_match_oracle(
         verdict.equal("prefix_hits_counter_delta", hits, expected, "tokens")
     if has(C.ANSWERS_FROM_KV) and has(C.RESET_PREFIX_CACHE):
         # the part-block hit's answer against the same prompt computed in full
-        engine.facet(CacheReset).reset_prefix_cache()
+        facet(engine, CacheReset).reset_prefix_cache()
         cold = engine.serve_prompt(second, answer_tokens(has))
         judge_same_answer(verdict, "answer_from_cache_vs_after_reset", result, cold, has)
     verdict.conclude()

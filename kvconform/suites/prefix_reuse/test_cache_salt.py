@@ -18,7 +18,14 @@ from collections.abc import Callable
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, SaltedPrompts, ServedPrompt, deployed_block_size
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    SaltedPrompts,
+    ServedPrompt,
+    deployed_block_size,
+    facet,
+)
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -32,8 +39,8 @@ def _served_and_stored(
     engine: EngineAdapter, prompt: list[int], salt: str, events: bool, answer: int = 1
 ) -> tuple[ServedPrompt, set[str]]:
     if not events:
-        return engine.facet(SaltedPrompts).serve_salted(prompt, salt, answer), set()
-    return stored_while(engine, lambda: engine.facet(SaltedPrompts).serve_salted(prompt, salt, answer))
+        return facet(engine, SaltedPrompts).serve_salted(prompt, salt, answer), set()
+    return stored_while(engine, lambda: facet(engine, SaltedPrompts).serve_salted(prompt, salt, answer))
 
 
 def test_cache_salt_isolates_prefix_and_event_hashes(
@@ -48,7 +55,7 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
     answer = answer_tokens(has)
     first_a, stored_a = _served_and_stored(engine, prompt, salt_a, events, answer)
     served_b, stored_b = _served_and_stored(engine, prompt, salt_b, events)
-    again_a = engine.facet(SaltedPrompts).serve_salted(prompt, salt_a, answer)
+    again_a = facet(engine, SaltedPrompts).serve_salted(prompt, salt_a, answer)
     if events:
         verdict.require("blocks_announced_salt_a", len(stored_a), ">=", whole_blocks, "blocks")
         verdict.require("blocks_announced_salt_b", len(stored_b), ">=", whole_blocks, "blocks")
@@ -75,7 +82,7 @@ def test_cache_salt_isolates_prefix_and_event_hashes(
         "tokens",
         note="the salt's own repeat is still served from cache",
     )
-    if engine.facet(SaltedPrompts).salted_answers():
+    if facet(engine, SaltedPrompts).salted_answers():
         judge_same_answer(verdict, "answer_from_cache_same_salt_vs_cold", again_a, first_a, has)
     elif has(C.ANSWERS_FROM_KV):
         verdict.record(

@@ -15,6 +15,7 @@ from kvconform.contract import (
     IndexEvent,
     RadixCacheModel,
     RouterIndex,
+    facet,
     supported,
 )
 from kvconform.contract import Capability as C
@@ -60,7 +61,7 @@ def to_index_events(events: list[CacheEvent], first_id: int) -> list[IndexEvent]
 def test_events_replayed_into_router_index_match(
     engine: EngineAdapter, index_engine: EngineAdapter, verdict: Verdict
 ) -> None:
-    cache = engine.facet(RadixCacheModel).new_cache(PAGE, 1024)
+    cache = facet(engine, RadixCacheModel).new_cache(PAGE, 1024)
     base = list(range(100, 164))
     sequences = [base + list(range(500 + 40 * i, 540 + 40 * i)) for i in range(6)]
     sequences += [base[:32] + list(range(900, 980)), list(range(2000, 2100))]
@@ -68,7 +69,7 @@ def test_events_replayed_into_router_index_match(
         cache.insert(tokens)
     cache.evict(200)  # removals reach the index too
     events = cache.take_events(router_hashes=True)
-    index = index_engine.facet(RouterIndex)
+    index = facet(index_engine, RouterIndex)
     index.new_tree("cross")
     applied = index.apply("cross", to_index_events(events, 1))
     verdict.record("events", len(events))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, deployed_block_size
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, deployed_block_size, facet
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.counters import queried_tokens, wait_counted
@@ -23,7 +23,7 @@ def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.
     capacity: the router spreads fresh prompts at random, so we send 2 x workers x that
     (with 16+ prompts per worker, a worker getting under half its share is vanishingly rare).
     """
-    capacity = engine.facet(KvPool).cache_capacity_tokens()  # per worker
+    capacity = facet(engine, KvPool).cache_capacity_tokens()  # per worker
     length = min(1024, max(capacity // 8, deployed_block_size(engine) * 4))
     total = factor * capacity * (1 if engine.traits.workers == 1 else 2 * engine.traits.workers)
     # An engine that evicts from a periodic loop drops stores into a full cache until the loop
@@ -53,7 +53,7 @@ def test_evicted_prefix_not_reported_as_hit(
         "filler_tokens",
         filler,
         "tokens",
-        note=f"capacity {engine.facet(KvPool).cache_capacity_tokens()} per worker, "
+        note=f"capacity {facet(engine, KvPool).cache_capacity_tokens()} per worker, "
         f"{engine.traits.workers} worker(s)",
     )
     before = engine.metrics() if has(C.PREFIX_HIT_COUNTERS) else None

@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, PersistentTier, deployed_block_size, restart
+from kvconform.contract import (
+    EngineAdapter,
+    EngineConfig,
+    PersistentTier,
+    deployed_block_size,
+    facet,
+    restart,
+)
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -31,7 +38,7 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
     block = deployed_block_size(engine)
     prompt = prompts.fresh(8 * block + block // 3)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
-    engine.facet(PersistentTier).flush()
+    facet(engine, PersistentTier).flush()
     reports = restart(engine)
     verdict.expect(
         "teardown_leftovers",
@@ -61,12 +68,12 @@ def test_corrupt_persisted_entry_recomputed(
 ) -> None:
     engine.ensure(PERSISTENT)
     block = deployed_block_size(engine)
-    before = set(engine.facet(PersistentTier).files())
+    before = set(facet(engine, PersistentTier).files())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
-    engine.facet(PersistentTier).flush()
+    facet(engine, PersistentTier).flush()
     engine.stop()  # the process is gone before its files are touched
-    damaged = [p for p in engine.facet(PersistentTier).files() if p not in before]
+    damaged = [p for p in facet(engine, PersistentTier).files() if p not in before]
     verdict.require("entries_damaged", len(damaged), ">=", 1, note="the prompt must have been persisted")
     for path in damaged:
         data = path.read_bytes()

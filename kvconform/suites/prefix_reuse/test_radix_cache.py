@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, RadixCacheModel, RadixSizes
+from kvconform.contract import EngineAdapter, RadixCacheModel, RadixSizes, facet
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.RADIX_CACHE_MODEL)
@@ -51,7 +51,7 @@ def machine_for(engine: EngineAdapter, page: int, stats_log: list[RadixSizes]) -
 
         def __init__(self) -> None:
             super().__init__()
-            self.cache = engine.facet(RadixCacheModel).new_cache(page, CAPACITY)
+            self.cache = facet(engine, RadixCacheModel).new_cache(page, CAPACITY)
             self.inserted: list[list[int]] = []
             self.locks: list[tuple[int, list[int], int]] = []  # handle, tokens, locked length
             self.cached: list[list[int]] = []  # what the model knows is still cached

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, IndexBlock, IndexEvent, RouterIndex
+from kvconform.contract import EngineAdapter, IndexBlock, IndexEvent, RouterIndex, facet
 from kvconform.results import Verdict
 
 pytestmark = pytest.mark.requires(C.RADIX_INDEX)
@@ -49,7 +49,7 @@ def machine_for(engine: EngineAdapter, queries_log: list[int]) -> type:
     class RadixIndexMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.index = engine.facet(RouterIndex)
+            self.index = facet(engine, RouterIndex)
             self.index.new_tree("live")
             self.stored: dict[int, set[Path]] = {w: set() for w in WORKERS}
             self.event_id = 0

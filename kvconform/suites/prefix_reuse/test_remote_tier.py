@@ -20,6 +20,7 @@ from kvconform.contract import (
     PersistentTier,
     RemoteStore,
     deployed_block_size,
+    facet,
     restart,
 )
 from kvconform.oracles import prefix_hit_tokens
@@ -49,18 +50,18 @@ def test_remote_damaged_entry_recomputed(
     block = deployed_block_size(engine)
     intact = prompts.fresh(4 * block + 1)
     intact_cold = engine.serve_prompt(intact)
-    engine.facet(PersistentTier).flush()
-    kept = set(engine.facet(RemoteStore).entries())
+    facet(engine, PersistentTier).flush()
+    kept = set(facet(engine, RemoteStore).entries())
     prompt = prompts.fresh(6 * block + 1)
     cold = engine.serve_prompt(prompt)
-    engine.facet(PersistentTier).flush()
+    facet(engine, PersistentTier).flush()
     engine.stop()  # the engine is gone before its entries are touched; the remote store is not
-    targets = sorted(set(engine.facet(RemoteStore).entries()) - kept)
+    targets = sorted(set(facet(engine, RemoteStore).entries()) - kept)
     verdict.require(
         "entries_damaged", len(targets), ">=", 1, note="the prompt must have reached the remote tier"
     )
     for key in targets:
-        engine.facet(RemoteStore).write(key, damaged(engine.facet(RemoteStore).read(key), damage))
+        facet(engine, RemoteStore).write(key, damaged(facet(engine, RemoteStore).read(key), damage))
     engine.ensure(PERSISTENT)
     warm = engine.serve_prompt(prompt)
     verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
@@ -74,7 +75,7 @@ def test_remote_damaged_entry_recomputed(
         note="a prompt whose entries were not damaged is still served whole after the damaged read",
     )
     verdict.equal("intact_prefix_output_identical", int(after.output == intact_cold.output), 1)
-    engine.facet(PersistentTier).flush()
+    facet(engine, PersistentTier).flush()
     restart(engine)  # what the session after the damaged read left in the store
     again = engine.serve_prompt(intact)
     verdict.record("intact_prefix_hits_next_session", again.cached_tokens, "tokens")

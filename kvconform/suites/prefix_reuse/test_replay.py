@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, LastToken, ReplaySetup, TracedRequest, TraceReplay
+from kvconform.contract import EngineAdapter, LastToken, ReplaySetup, TracedRequest, TraceReplay, facet
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.results import Verdict
 
@@ -69,7 +69,7 @@ def oracle(trace: list[TracedRequest], recomputes_last_token: bool | LastToken) 
 
 def test_trace_replay_reuse_matches_oracle(engine: EngineAdapter, verdict: Verdict) -> None:
     trace = build_trace()
-    rows = engine.facet(TraceReplay).replay(trace, ReplaySetup(block_size=BLOCK, cache_blocks=CACHE_BLOCKS))
+    rows = facet(engine, TraceReplay).replay(trace, ReplaySetup(block_size=BLOCK, cache_blocks=CACHE_BLOCKS))
     rows = sorted(rows, key=lambda r: r.arrival_ms)
     expected = oracle(trace, engine.traits.recomputes_last_token)
     got = [r.reused_input_tokens for r in rows]

@@ -28,6 +28,7 @@ from kvconform.contract import (
     KvEvents,
     KvRouter,
     deployed_block_size,
+    facet,
     poll_until,
     read_metric,
 )
@@ -58,7 +59,7 @@ def test_router_prediction_matches_worker(
     # Where the suite hears the workers' KV events itself, they are what the router must apply.
     events = has(C.KV_EVENTS)
     if events:
-        engine.facet(KvEvents).drain_events()
+        facet(engine, KvEvents).drain_events()
     mark = engine.ledger.mark()
     block = deployed_block_size(engine)
     system = prompts.fresh(4 * block + 3)
@@ -75,7 +76,7 @@ def test_router_prediction_matches_worker(
             shared = longest_shared(served_before, tokens)
             held_blocks = shared // block  # the router's oracle: blocks the worker holds
             expected = prefix_hit_tokens(shared, len(tokens), block, engine.traits.recomputes_last_token)
-            predicted_tokens, served = engine.facet(KvRouter).serve_routed(tokens)
+            predicted_tokens, served = facet(engine, KvRouter).serve_routed(tokens)
             predicted = predicted_tokens // block
             served_before.append(tokens)
             rows.append((phase, len(tokens), predicted, held_blocks, served.cached_tokens, expected))
@@ -108,9 +109,9 @@ def test_router_prediction_matches_worker(
     verdict.equal("served_cached_off_oracle", len(served_off), 0, note="; ".join(served_off[:6]))
     published = None
     if events:
-        engine.facet(KvEvents).drain_events()
+        facet(engine, KvEvents).drain_events()
         published = len(engine.ledger.since(mark))
-    router = engine.facet(KvRouter)
+    router = facet(engine, KvRouter)
 
     def applied_now() -> dict[str, float] | None:
         return router.router_event_status(before, engine.metrics())

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, ServedPrompt
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, ServedPrompt, facet
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -37,14 +37,14 @@ def test_block_size_sweep(
         engine.ensure(EngineConfig(block_size=block))
         curve = []
         for fraction in SHARED_FRACTIONS:
-            engine.facet(CacheReset).reset_prefix_cache()
+            facet(engine, CacheReset).reset_prefix_cache()
             shared = int(PROMPT_TOKENS * fraction)
             prefix = prompts.fresh(shared)
             engine.serve_prompt(prompts.extend(prefix, PROMPT_TOKENS))
             second = prompts.extend(prefix, PROMPT_TOKENS)
             result = engine.serve_prompt(second, answer)
             if has(C.ANSWERS_FROM_KV):
-                engine.facet(CacheReset).reset_prefix_cache()
+                facet(engine, CacheReset).reset_prefix_cache()
                 pairs.append((result, engine.serve_prompt(second, answer)))
             expected = prefix_hit_tokens(shared, PROMPT_TOKENS, block, engine.traits.recomputes_last_token)
             curve.append((fraction, result.cached_tokens / shared, expected / shared))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.contract import ActiveBlockTracker, EngineAdapter, Outcome
+from kvconform.contract import ActiveBlockTracker, EngineAdapter, Outcome, facet
 from kvconform.contract import Capability as C
 from kvconform.results import Verdict
 
@@ -29,7 +29,7 @@ def distinct_prefixes(requests: dict[str, list[int]]) -> int:
 
 
 def test_block_tracker_ownership_and_drain(engine: EngineAdapter, verdict: Verdict) -> None:
-    tracker: ActiveBlockTracker = engine.facet(ActiveBlockTracker)
+    tracker: ActiveBlockTracker = facet(engine, ActiveBlockTracker)
     answer = tracker.register_worker(WORKER, BLOCK)
     verdict.require("register_accepted", answer.is_(Outcome.ACCEPTED), "==", 1, note=answer.detail)
     answer = tracker.register_worker(WORKER, BLOCK)

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer
+from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer, facet
 from kvconform.oracles import KvLayout, page_indices, transfer_bytes
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -24,7 +24,7 @@ PAGE_SIZES = [1, 4, 16, 32]
 
 def _transfer(engine: EngineAdapter, layout: str | None, page_size: int, destinations: int = 1) -> KvTransfer:
     """The engine's transfer facet, or a skip naming the shape it does not transfer."""
-    transfer = engine.facet(KvTransfer)
+    transfer = facet(engine, KvTransfer)
     if layout is not None and layout not in transfer.layouts:
         pytest.skip(f"engine {engine.name} has no {layout} transfer layout")
     if page_size not in transfer.page_sizes:

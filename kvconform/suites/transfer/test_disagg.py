@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import DisaggregatedServing, EngineAdapter, EngineConfig, deployed_block_size
+from kvconform.contract import DisaggregatedServing, EngineAdapter, EngineConfig, deployed_block_size, facet
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -28,10 +28,10 @@ def test_disaggregated_serving_reports_prefix_reuse(
     block = deployed_block_size(engine)
     # Another prompt of the same shape first: a block key that does not cover the block's tokens
     # (colliding hashes, GHSA-rm76-4mrf-v9r8's class) serves its KV to the fresh prompt.
-    engine.facet(DisaggregatedServing).serve_disaggregated(prompts.fresh(4 * block + 5))
+    facet(engine, DisaggregatedServing).serve_disaggregated(prompts.fresh(4 * block + 5))
     prompt = prompts.fresh(4 * block + 5)
-    first = engine.facet(DisaggregatedServing).serve_disaggregated(prompt, answer_tokens(has))
-    second = engine.facet(DisaggregatedServing).serve_disaggregated(prompt)
+    first = facet(engine, DisaggregatedServing).serve_disaggregated(prompt, answer_tokens(has))
+    second = facet(engine, DisaggregatedServing).serve_disaggregated(prompt)
     expected = prefix_hit_tokens(len(prompt), len(prompt), block, engine.traits.recomputes_last_token)
     verdict.equal("prompt_tokens_served", second.prompt_tokens, len(prompt), "tokens")
     verdict.equal("first_request_cached_tokens", first.cached_tokens, 0, "tokens")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, ReplaySetup, TraceReplay
+from kvconform.contract import EngineAdapter, ReplaySetup, TraceReplay, facet
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.test_replay import BLOCK, CACHE_BLOCKS, build_trace
 
@@ -17,7 +17,7 @@ REL_TOL = 1e-9
 
 
 def test_handoff_time_matches_bytes_over_bandwidth(engine: EngineAdapter, verdict: Verdict) -> None:
-    replay = engine.facet(TraceReplay)
+    replay = facet(engine, TraceReplay)
     if not replay.simulates_handoff:
         pytest.skip(f"engine {engine.name}'s replay has no disaggregated hand-off")
     bytes_per_token = engine.deployment.model.kv_bytes_per_token()

@@ -24,6 +24,7 @@ from kvconform.contract import (
     ReleaseGuard,
     StreamAborts,
     deployed_block_size,
+    facet,
     metric_delta,
     read_metric,
 )
@@ -50,13 +51,13 @@ REMOVAL_KINDS = ("double_remove", "remove_unknown")
 
 def ledger_mark(engine: EngineAdapter) -> int:
     """Where this check's events start: what earlier checks emitted is in the ledger first."""
-    engine.facet(KvEvents).drain_events()
+    facet(engine, KvEvents).drain_events()
     return engine.ledger.mark()
 
 
 def judge_ledger(engine: EngineAdapter, verdict: Verdict, mark: int) -> LedgerVerdict:
     """The ledger judged for the events from `mark` (taken when the check started) on."""
-    filled = engine.facet(KvEvents).drain_events()
+    filled = facet(engine, KvEvents).drain_events()
     judged = engine.ledger.judge(since=mark)
     verdict.record("events", judged.events)
     verdict.record("blocks_stored", judged.stored)
@@ -88,9 +89,9 @@ class AfterFill:
 
 
 def resident_after_fill(engine: EngineAdapter, mark: int) -> AfterFill:
-    engine.facet(KvEvents).drain_events()
+    facet(engine, KvEvents).drain_events()
     return AfterFill(
-        engine.ledger.judge(since=mark).resident_count(), engine.facet(KvPool).resident_blocks_reported()
+        engine.ledger.judge(since=mark).resident_count(), facet(engine, KvPool).resident_blocks_reported()
     )
 
 
@@ -114,7 +115,7 @@ def compare_resident(
         )
     elif after_fill is not None:
         pool = (
-            engine.facet(KvPool).cache_capacity_tokens()
+            facet(engine, KvPool).cache_capacity_tokens()
             // deployed_block_size(engine)
             * engine.traits.workers
         )
@@ -127,7 +128,7 @@ def compare_resident(
             note=f"after filling the cache past its {pool} blocks (the capacity the suite asked for): "
             "every block beyond them must have been announced removed",
         )
-    reported = engine.facet(KvPool).resident_blocks_reported()
+    reported = facet(engine, KvPool).resident_blocks_reported()
     if reported is not None:
         verdict.equal(
             "resident_blocks_ledger_vs_engine",
@@ -171,7 +172,7 @@ def test_event_ledger_consistent(
         if start is not None:
             compare_evicted(engine, verdict, *start)
     if has(C.RESET_PREFIX_CACHE):
-        engine.facet(CacheReset).reset_prefix_cache()
+        facet(engine, CacheReset).reset_prefix_cache()
         engine.serve_prompt(prompts.extend(system, 7 * block))
     judged = judge_ledger(engine, verdict, mark)
     verdict.require("events_seen", judged.events, ">=", 1, note="the workload must produce events")
@@ -209,7 +210,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     settle_s = engine.traits.abort_delay_s + ABORT_GRACE_S
     probe_s = settle_s + PROBE_MARGIN_S
     try:
-        outlives = engine.facet(StreamAborts).stream_outlives(
+        outlives = facet(engine, StreamAborts).stream_outlives(
             prompts.fresh(5 * block + 3), ABORT_MAX_TOKENS, probe_s
         )
     except EngineError as exc:
@@ -226,7 +227,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
     for _ in range(0 if refused else 3):
         try:
             cut += int(
-                engine.facet(StreamAborts).stream_and_disconnect(
+                facet(engine, StreamAborts).stream_and_disconnect(
                     prompts.fresh(5 * block + 3), after_chunks=2, max_tokens=ABORT_MAX_TOKENS
                 )
                 == 2
@@ -243,10 +244,10 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
             "streams_cut_mid_way", cut, "==", 3, note="each dropped after 2 token chunks, before its end"
         )
         deadline = time.monotonic() + settle_s
-        in_flight = engine.facet(StreamAborts).requests_in_flight()
+        in_flight = facet(engine, StreamAborts).requests_in_flight()
         while in_flight and time.monotonic() < deadline:
             time.sleep(0.1)
-            in_flight = engine.facet(StreamAborts).requests_in_flight()
+            in_flight = facet(engine, StreamAborts).requests_in_flight()
         if in_flight is None:
             verdict.record("requests_in_flight_after_disconnects", "no live count", note="not judged")
         else:
@@ -257,7 +258,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
                 "requests",
                 note=f"read until 0, up to {settle_s:.1f} s after the cuts ({ABORT_MAX_TOKENS} tokens each)",
             )
-    if has(C.TRANSFER_ACCOUNTING) and (transfer := engine.facet(KvTransfer)).aborts:
+    if has(C.TRANSFER_ACCOUNTING) and (transfer := facet(engine, KvTransfer)).aborts:
         transfer.transfer(prompts.fresh(4 * block + 1), transfer.layouts[0], 1, 1, abort_after_pages=3)
     if "kv_usage" in engine.metric_map:
         # Read once, at the bound: polled until it reads 0, a gauge that dips to 0 between
@@ -310,7 +311,7 @@ def test_release_guard_holds(engine: EngineAdapter, prompts: PromptFactory, verd
     engine.ensure(EngineConfig())
     block = deployed_block_size(engine)
     tokens = prompts.fresh(3 * block + 2)
-    guard = engine.facet(ReleaseGuard)
+    guard = facet(engine, ReleaseGuard)
     result = guard.release_twice(tokens)
     verdict.record("second_release_outcome", result.second_outcome)
     verdict.record("detail", result.detail)

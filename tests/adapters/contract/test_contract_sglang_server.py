@@ -27,6 +27,7 @@ from kvconform.contract import (
     EngineConfig,
     RadixCacheModel,
     deployed_block_size,
+    facet,
     metric_delta,
     read_metric,
     supported,
@@ -194,7 +195,7 @@ def test_capabilities_of_the_two_adapters(tmp_path: Path) -> None:
     assert {C.RESTART, C.BLOCK_SIZE_CONFIG, C.KV_EVENTS, C.ABORT_REQUESTS, C.PREFIX_HIT_COUNTERS} <= caps
     assert not caps & {C.RADIX_CACHE_MODEL, C.PAGE_INDEX, C.TRANSFER_ACCOUNTING, C.RELEASE_GUARD}
     with pytest.raises(NotImplementedError, match="engine sglang-server provides no RadixCacheModel facet"):
-        launched.facet(RadixCacheModel)
+        facet(launched, RadixCacheModel)
     with pytest.raises(UsageError, match="--engine sglang-server"):
         SglangAdapter(AdapterContext(workdir=tmp_path, url="http://127.0.0.1:9"))
 
