@@ -45,6 +45,7 @@ from kvconform.contract import (
     log_tail,
     poll_until,
     provides,
+    read_metric,
 )
 from kvconform.contract.adapter import timed_stop
 from kvconform.errors import EngineError, EngineStartError
@@ -66,6 +67,8 @@ C = Capability
 MODEL_NAME = "tiny"
 WORKERS = 2
 GPU_BLOCKS = 256  # per mocker
+GAUGE_SETTLE_S = 0.5  # a mocker's pass that finished a request publishes its gauges just after
+DRAIN_TIMEOUT_S = 10.0
 # The offload configuration's host tier (--num-host-blocks, per DP rank): four device pools, so
 # the offload scenario's prompts stay in it beside the fill that evicts them from the device.
 HOST_BLOCKS = 4 * GPU_BLOCKS
@@ -418,13 +421,35 @@ class DynamoAdapter(
 
     def reclaim_probe(self) -> dict[str, MemoryMeasure]:
         """What the stopped stacks left, cumulative over restarts: processes and /dev/shm files
-        (RestartChurn) and file-discovery registrations."""
+        (RestartChurn) and file-discovery registrations; while the stack runs, the KV blocks its
+        mockers' requests hold (exact, by the mockers' own allocators)."""
         measures = self.churn.leftover_measures()
         registrations = self.churn.leftovers.get("registrations", 0)
         measures["restart_leftover_registrations"] = MemoryMeasure(
             registrations, True, "registrations", holds_kv=False
         )
+        if self.running():
+            measures["kv_blocks_held_bytes"] = MemoryMeasure(self.kv_blocks_held_bytes(), True)
         return measures
+
+    def kv_blocks_held_bytes(self) -> float:
+        """The KV blocks requests hold in the mockers now, in bytes, by each mocker's own
+        allocator: its vllm:kv_cache_usage_perc is active blocks / --num-gpu-blocks
+        (MockerMetrics::from_parts, lib/llm/src/mocker/metrics.rs in 1.6.1; active = blocks a
+        live request references, cached blocks no request holds are inactive), so the sum over
+        the mockers times GPU_BLOCKS is the held blocks (k/256 survives the text format
+        exactly). Read once no request is open anywhere in the stack, after a fixed settle: a
+        mocker sets its gauges at its scheduler's pass, which can come after the response."""
+        if not poll_until(lambda: self.requests_in_flight() == 0, timeout_s=DRAIN_TIMEOUT_S):
+            raise EngineError(
+                self.name,
+                f"requests still open {DRAIN_TIMEOUT_S:.0f} s after the last response "
+                f"({self.requests_in_flight()} in flight)",
+                log_tail(self),
+            )
+        time.sleep(GAUGE_SETTLE_S)
+        usage = read_metric(self, "kv_usage", self.metrics())
+        return round(usage * GPU_BLOCKS) * self.deployment.model.block_bytes(deployed_block_size(self))
 
     def close(self) -> None:
         super().close()
