@@ -54,6 +54,9 @@ class EngineProof:
     reasons: dict[str, str] = field(default_factory=dict)  # why unproven, where the catalog says
     merged: list[str] = field(default_factory=list)  # runs merged in after the table was written
     written: str = ""  # "DATE at commit X": when this engine's table was run
+    # Measures this table's runs recorded and nowhere judged (not kept in the JSON): a merge
+    # drops them from the older table, whose runs judged what the code no longer judges.
+    recorded_only: set[str] = field(default_factory=set)
 
     def why_unproven(self, key: str) -> str:
         reason = self.reasons.get(key) or self.reasons.get("*")
@@ -182,8 +185,10 @@ def prove_engine(
                 mutant.beside,
             )
             proof.outcomes += judge_mutant(engine, mutant, beside_clean, mutated)
+    recorded: set[str] = set()
     for run in runs:
         for record in run.records:
+            recorded |= {measure_key(base_check(record.check), m.name) for m in record.measures}
             for name, measure in record.judged.items():
                 killers = proof.measures.setdefault(measure_key(base_check(record.check), name), [])
                 if record.finding and measure.ok is False:
@@ -196,6 +201,7 @@ def prove_engine(
             key, []
         ):
             proof.measures[key].append(f"mutant {outcome.mutant}")
+    proof.recorded_only = recorded - set(proof.measures)
     return proof
 
 
@@ -241,11 +247,15 @@ def load(path: Path) -> list[EngineProof]:
 def merge(old: EngineProof, new: EngineProof, commit: str) -> EngineProof:
     """`new` (some mutants re-run) into `old` (the full run's table): the re-run mutants'
     outcomes replace theirs, every other outcome and every judged measure is kept, and each
-    measure's killers are the union (a re-run mutant's kill only where it killed now)."""
+    measure's killers are the union (a re-run mutant's kill only where it killed now). A
+    measure the new runs recorded without judging it anywhere leaves the table: the code
+    judges it no more (its old kills are old news)."""
     rerun = {o.mutant for o in new.outcomes}
     outcomes = [o for o in old.outcomes if o.mutant not in rerun] + new.outcomes
     measures: dict[str, list[str]] = {}
     for key in {**old.measures, **new.measures}:
+        if key in new.recorded_only:
+            continue
         kept = [k for k in old.measures.get(key, []) if k.removeprefix("mutant ") not in rerun]
         measures[key] = list(dict.fromkeys(kept + new.measures.get(key, [])))
     when = f"{', '.join(sorted(rerun))} re-run on {dt.date.today().isoformat()} at commit {commit}"

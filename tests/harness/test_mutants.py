@@ -177,6 +177,16 @@ def test_merge_replaces_rerun_mutants_and_keeps_the_rest() -> None:
     assert merged.written == "2026-12-02 at commit abc" and "b re-run on" in merged.merged[0]
 
 
+def test_merge_drops_a_measure_the_new_runs_only_record() -> None:
+    """A measure the code now records without judging (a workload that cannot exercise it)
+    leaves the table at the next merge that ran its check, kills and all."""
+    from kvconform.mutants.proof import EngineProof, merge
+
+    old = EngineProof("e", "1", [], {"s::test_x :: m": ["mutant a"], "s::test_x :: n": []})
+    new = EngineProof("e", "1", [], {"s::test_x :: n": []}, recorded_only={"s::test_x :: m"})
+    assert set(merge(old, new, "def").measures) == {"s::test_x :: n"}
+
+
 def test_engine_wide_measures_are_one_row_whatever_the_check() -> None:
     from kvconform.results import SELF_CHECK_MEASURE, measure_key
 
