@@ -236,12 +236,15 @@ def ensure_attached(adapter: EngineAdapter, config: EngineConfig) -> None:
     """ensure() in attach mode: an engine that went away cannot be relaunched, so this and
     every later check is skipped with the reason."""
     if adapter._lost is None and (adapter.config is None or adapter._suspect is not None):
+        server = attached_server(adapter)
         try:
-            attached_server(adapter).check_reachable()
+            server.check_reachable()
         except UsageError as exc:
             if adapter.config is None:
                 raise
             adapter._lost = f"{exc} after {adapter._suspect}"
+        else:
+            server.attach()
         adapter._suspect = None
         adapter.config = config
     if adapter._lost is not None:

@@ -43,7 +43,7 @@ class NoFacetAdapter(EngineAdapter, ReclaimProbe):
     name = "no-facet"
     capabilities = frozenset({C.INSTANCE_CHURN, C.INSTANCE_REGISTRY})
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         raise AssertionError("never called")
 
 

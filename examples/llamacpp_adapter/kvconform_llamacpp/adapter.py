@@ -249,7 +249,7 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         # What stopped servers left behind (exact, cumulative). These do not move with the KV
         # a running server holds, so the long session judges the engine by RSS alone.
         left = self.churn.leftovers

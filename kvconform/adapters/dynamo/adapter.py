@@ -419,7 +419,7 @@ class DynamoAdapter(
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         """What the stopped stacks left, cumulative over restarts: processes and /dev/shm files
         (RestartChurn) and file-discovery registrations; while the stack runs, the KV blocks its
         mockers' requests hold (exact, by the mockers' own allocators)."""

@@ -173,7 +173,6 @@ class LmcacheAdapter(
         self.simulator: DriverProcess | None = None
         self.coordinator: LmcacheCoordinatorIndex | None = None  # RADIX_INDEX
         self.rpc_url = ""
-        self.churn_path = "unregister"
         self.closed_leftovers = {"processes": 0, "shm_bytes": 0}
         self.killed_client_files = 0
         self.instances_made = 0
@@ -305,14 +304,10 @@ class LmcacheAdapter(
         )
         self._subscribe_events()
 
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        """Attached, the suite still needs its client: it speaks LMCache's RPC protocol, whose
-        address the HTTP URL does not give (KVCONFORM_LMCACHE_RPC_URL)."""
-        # A check starts on the server's own measures: a churn check's path (close, destroy)
-        # would otherwise choose the reclaim probe of every check after it.
-        self.churn_path = "unregister"
-        super().ensure(config)
-        if self.ctx.attached and self.client is None:
+    def attach(self) -> None:
+        """The suite's client: it speaks LMCache's RPC protocol, whose address the HTTP URL
+        does not give (KVCONFORM_LMCACHE_RPC_URL)."""
+        if self.client is None:
             self.rpc_url = os.environ.get("KVCONFORM_LMCACHE_RPC_URL", "")
             if not self.rpc_url:
                 raise UsageError(
@@ -502,7 +497,6 @@ class LmcacheAdapter(
         return LmcacheChurn(self, ("unregister", "reaper", "close", "destroy"))
 
     def churn_cycle(self, path: str, index: int, tokens: list[int]) -> None:
-        self.churn_path = path
         instance_id = self._next_instance_id()
         if path == "destroy":
             self._inproc_cycle(index, tokens)
@@ -605,15 +599,15 @@ class LmcacheAdapter(
             raise EngineError(self.name, f"in-process retrieve returned other bytes than stored: {got}")
         self.inproc.call("destroy", engine_id=engine_id)
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
-        if self.churn_path == "destroy":
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
+        if path == "destroy":
             sample = sample_processes(self.inproc.pids() if self.inproc else [])
             return {
                 "inproc_engine_rss_bytes": MemoryMeasure(sample.rss, exact=False),
                 # LMCacheEngine's workers (async store, prefetch) end with destroy (cache_engine.py close)
                 "inproc_engine_threads": threads_measure(sample),
             }
-        if self.churn_path == "close":
+        if path == "close":
             return {
                 "closed_server_leftover_processes": MemoryMeasure(
                     self.closed_leftovers["processes"], True, "processes"

@@ -667,7 +667,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         if unloaded.status_code != 200:
             raise EngineError(self.name, f"unload -> HTTP {unloaded.status_code}: {unloaded.text[:200]}")
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         """The pool's own count of loaded model bytes (exact: 0 with no model loaded, whatever
         the allocator does; omlx/engine_pool.py _current_model_memory, /api/status), the
         server's threads (exact: a model's scheduler, writer and executor threads end with its

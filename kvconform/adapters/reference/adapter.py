@@ -140,7 +140,6 @@ class ReferenceAdapter(
         self.decode: LaunchedServer | None = None
         self.exports: dict[str, tuple[str, int]] = {}
         self.gpu_exports: dict[str, Any] = {}
-        self.churn_path: str | None = None
         self.churn_leftovers = {p: {"processes": 0, "shm_bytes": 0} for p in ("close", "restart")}
 
     @property
@@ -278,10 +277,6 @@ class ReferenceAdapter(
     REAP_WAIT_S = 3.0  # how long a cycle waits for the reaper (then measures what is left)
     TEARDOWN_GRACE_S = 3.0  # close/restart cycles: the server exits in well under 1 s
 
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        self.churn_path = None  # every check starts outside instance churn
-        super().ensure(config)
-
     @provides(InstanceChurn)
     def instance_churn(self) -> InstanceChurn:
         return ReferenceChurn(self)
@@ -296,7 +291,6 @@ class ReferenceAdapter(
         destroy: create an in-process engine, store the prompt's KV in it, destroy it."""
         if path not in ReferenceChurn.paths:
             raise NotImplementedError(f"reference engine has no release path {path!r}")
-        self.churn_path = path
         instance_id = f"churn-{path}-{index}"
         if path == "destroy":
             self.post_json("/engines", {"engine_id": instance_id, "nbytes": self.INSTANCE_BYTES})
@@ -371,11 +365,10 @@ class ReferenceAdapter(
         self.config = config
         return report.describe()
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         """Per release path, the memory that must come back: mapped shm and RSS of the server
         (unregister, reaper); live tensor bytes and RSS (destroy); what teardown found left,
         cumulative over cycles (close, restart). Outside churn: all of the server's."""
-        path = self.churn_path
         if path in ("close", "restart"):
             left = self.churn_leftovers[path]
             return {

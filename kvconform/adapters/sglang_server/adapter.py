@@ -595,7 +595,7 @@ class SglangServerAdapter(
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         """What the restarted servers left (processes, /dev/shm bytes: RestartChurn); while one
         runs, the KV its requests hold by SGLang's own count (exact). On GPU runners, NVML:
         per-process GPU memory of the server's tree (exact; 0 bytes from a running CUDA build is

@@ -508,8 +508,9 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
         return self._served_model
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        super().ensure(config)
+    def attach(self) -> None:
+        """Drain the server's bounded KV event and iteration-stats buffers from now on (start()
+        does the same for a launched server)."""
         self._consumer()
 
     def _consumer(self) -> DrainingConsumer:

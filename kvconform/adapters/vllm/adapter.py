@@ -782,7 +782,7 @@ class VllmAdapter(
     def instance_churn(self) -> InstanceChurn:
         return self.churn
 
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         """What the released servers left: processes and /dev/shm bytes found (and removed)
         at teardown, cumulative over cycles; on GPU runners NVML: per-process GPU memory of the
         running server's tree (exact; 0 bytes from a running CUDA build is an error) and the

@@ -270,11 +270,11 @@ class VllmLmcacheAdapter(VllmAdapter):
         return max(super().cache_capacity_tokens(), l1_tokens)
 
     # ---- instance churn: vLLM instances cycling against one LMCache server ----------------
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]:
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         """vLLM's restart leftovers, and what the LMCache server holds after each instance
         left: its /dev/shm mappings (exact) and RSS, named as the lmcache adapter's (where
         LMCache 0.5.6 keeps each released instance's KV mapped: known-failures.toml)."""
-        measures = super().reclaim_probe()
+        measures = super().reclaim_probe(path)
         sample = sample_processes(self.lmcache.pids() if self.lmcache else [])
         measures["server_shm_mapped_bytes"] = MemoryMeasure(sample.shm_bytes, exact=True)
         measures["server_rss_bytes"] = MemoryMeasure(sample.rss, exact=False)

@@ -11,7 +11,7 @@ from kvconform.memory import MemoryMeasure
 class InstanceChurn(ABC):
     """Engine instances made, loaded and released over and over (INSTANCE_CHURN), through each
     release path the engine has (unregister, a reaper, close, destroy, a whole restart...).
-    What a release left behind is what the adapter's reclaim_probe() reads next."""
+    What a release left behind is what the adapter's reclaim_probe(path) reads next."""
 
     paths: tuple[str, ...] = ()
 
@@ -67,7 +67,10 @@ class ReclaimProbe(ABC):
     (INSTANCE_CHURN, LONG_SESSION), by measure."""
 
     @abstractmethod
-    def reclaim_probe(self) -> dict[str, MemoryMeasure]: ...
+    def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
+        """The measures now. `path`: the release path whose cycles the caller is running (what
+        that path leaves behind is what is read); None outside instance churn (the engine's
+        memory as it serves)."""
 
 
 class SelfChecks(ABC):

@@ -37,6 +37,13 @@ class AttachedServer(ABC):
     def check_reachable(self) -> None:
         """One quick request to the server; a UsageError names the engine and the URL."""
 
+    def attach(self) -> None:
+        """The suite starts judging this server (its first check; again once it answers after
+        a request failed): open what reading it needs beyond its URL, e.g. an RPC client or
+        the drain of a bounded event buffer. Idempotent. Preflight only checks the server is
+        reachable, on an adapter it then drops."""
+        return None  # nothing beyond the URL by default
+
     def attached_version(self) -> str:
         return "unknown (attached)"
 

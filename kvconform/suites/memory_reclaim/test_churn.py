@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 
@@ -86,18 +87,19 @@ def test_churn_returns_to_baseline(
     system = prompts.fresh(4 * block)
     for warmup in range(churn.warmup_cycles(path)):  # allocator pools and caches settle first
         churn.cycle(churn.warmup_path(path), -1 - warmup, prompts.extend(system, 6 * block))
-    baseline_measures = facet(engine, ReclaimProbe).reclaim_probe()
-    baseline = settled(facet(engine, ReclaimProbe).reclaim_probe, None, window_s=1.0)
+    probe = partial(facet(engine, ReclaimProbe).reclaim_probe, path)  # what `path` leaves behind
+    baseline_measures = probe()
+    baseline = settled(probe, None, window_s=1.0)
     values: dict[str, list[float]] = {name: [] for name in baseline}
     most = max(cycles, churn.cycles(path, MAX_CYCLE_FACTOR * cycles))
     step = max(2, cycles // 2)
     done = 0
-    with ContinuousSampler(facet(engine, ReclaimProbe).reclaim_probe) as sampler:
+    with ContinuousSampler(probe) as sampler:
         target = cycles
         while True:
             for cycle in range(done + 1, target + 1):
                 churn.cycle(path, cycle, prompts.extend(system, 6 * block + cycle))
-                post = settled(facet(engine, ReclaimProbe).reclaim_probe, baseline_measures)
+                post = settled(probe, baseline_measures)
                 for name in values:
                     values[name].append(post.get(name, float("nan")))
             done = target
