@@ -61,8 +61,8 @@ class VllmLmcacheAdapter(VllmAdapter):
         names={
             **VllmAdapter.metric_map.names,
             "prefix_hits": (
-                "vllm:prefix_cache_hits_total",
-                "vllm:external_prefix_cache_hits_total",
+                *VllmAdapter.metric_map.sample_names("prefix_hits"),
+                *VllmAdapter.metric_map.sample_names("external_prefix_hits"),
             ),
         },
     )
