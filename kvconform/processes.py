@@ -42,6 +42,9 @@ DEATH_SCAN_BYTES = 4_000_000  # of this launch's log, for the engine's last deat
 # How long a /dev/shm file no process of this tree was seen holding may take to go away on its
 # own before it counts as this tree's leftover (a resource tracker unlinks within ~0.1 s).
 SHM_SETTLE_S = 3.0
+# Between SIGTERM and SIGKILL: what a Kubernetes pod gets by default (terminationGracePeriodSeconds),
+# so a stop is judged as a deployment stops it, not by a budget a loaded runner overruns.
+STOP_GRACE_S = 30.0
 _LIVE: set[EngineProcess] = set()
 _LIVE_LOCK = threading.Lock()
 _PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "kvconform-ports"
@@ -266,7 +269,7 @@ class EngineProcess:
     def held_shm(self) -> set[str]:
         return set(self._held_shm)
 
-    def stop(self, grace_s: float = 20.0, sig: int = signal.SIGTERM) -> TeardownReport:
+    def stop(self, grace_s: float = STOP_GRACE_S, sig: int = signal.SIGTERM) -> TeardownReport:
         if self.teardown_report is not None:
             return self.teardown_report
         self.refresh_tree()
