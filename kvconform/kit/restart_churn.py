@@ -30,6 +30,7 @@ class RestartChurn(InstanceChurn):
         # What the stopped servers left (and the teardown removed), cumulative over cycles; an
         # adapter may count more kinds (Dynamo: discovery registrations).
         self.leftovers: dict[str, int] = {"processes": 0, "shm_bytes": 0}
+        self.unclean: list[str] = []  # each stop that left something, as its teardown described it
 
     def cycle(self, path: str, index: int, tokens: list[int]) -> None:
         if path != RESTART:
@@ -43,6 +44,11 @@ class RestartChurn(InstanceChurn):
         for report in reports:
             self.leftovers["processes"] += len(report.leftover_processes)
             self.leftovers["shm_bytes"] += sum(report.leftover_shm.values())
+            if not report.clean or report.forced_kill or report.notes:
+                self.unclean.append(report.describe())
+
+    def release_notes(self) -> list[str]:
+        return list(self.unclean)
 
     def cycles(self, path: str, requested: int) -> int:
         return min(requested, self.restart_cycles)

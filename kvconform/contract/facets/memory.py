@@ -33,6 +33,11 @@ class InstanceChurn(ABC):
         measures); fewer where every measure of the path is exact."""
         return 2
 
+    def release_notes(self) -> list[str]:
+        """What the releases so far left that a reviewer needs to read a leftover measure (the
+        stop that needed a kill, the process and files left): the engine's words, not numbers."""
+        return []
+
     def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         """INSTANCE_REGISTRY: release one instance through `path`, then release it again;
         what each answer was."""
