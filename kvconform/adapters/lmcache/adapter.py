@@ -475,21 +475,50 @@ class LmcacheAdapter(
             self.l2_dir(), "**/*", self.deployment.model.block_bytes(deployed_block_size(self)), self.flush_l2
         )
 
-    def flush_l2(self, timeout_s: float = 15.0, quiet_s: float = 0.5) -> None:
-        """Until every store task has ended and no new one came for quiet_s: the store controller
-        submits L2 tasks from its own loop after the client's store returned. The task counters,
-        which count a failed task done (the object counters never count a failed chunk)."""
+    def flush_l2(self, timeout_s: float = 30.0, quiet_s: float = 0.5) -> None:
+        """Until every chunk written to L1 is in L2 and nothing new came for quiet_s, as LMCache's
+        own GET /status tells it: no L1 write lock held (the chunks the client stored are
+        committed), no key waiting for the store controller, no L2 store task in flight
+        (store_controller.py report_status). The task counters, which count a failed task done
+        (the object counters never count a failed chunk), agree. The controller submits from its
+        own loop after the client's store returned: on a loaded runner a quiet spell alone can
+        end before it submitted anything. Not done in timeout_s: an error, never a partial tier."""
         deadline = time.monotonic() + timeout_s
         last, since = -1.0, time.monotonic()
-        while time.monotonic() < deadline:
+        while True:
             snap = self.metrics()
             submitted = read_metric(self, "l2_store_submitted_requests", snap)
+            completed = read_metric(self, "l2_store_completed_requests", snap)
+            busy = self.l2_store_backlog()
             if submitted != last:
                 last, since = submitted, time.monotonic()
-            done = submitted <= read_metric(self, "l2_store_completed_requests", snap)
-            if done and time.monotonic() - since >= quiet_s:
+            if submitted <= completed and not any(busy.values()) and time.monotonic() - since >= quiet_s:
                 return
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    self.name,
+                    f"L2 stores not done after {timeout_s:.0f} s: {submitted:.0f} store tasks submitted, "
+                    f"{completed:.0f} completed; {busy}",
+                    log_tail(self),
+                )
             time.sleep(0.1)
+
+    def l2_store_backlog(self) -> dict[str, int]:
+        """What GET /status says is still on its way to L2: L1 write locks held, keys waiting for
+        the store controller, store tasks in flight (summed over L1 managers)."""
+        sm = self.get_json("/status").get("storage_manager", {})
+        # 0.5.6: one entry per L1 tag; earlier releases: one unnamed entry
+        managers = sm.get("l1_managers") or ({"l1": sm["l1_manager"]} if "l1_manager" in sm else {})
+        stores = sm.get("store_controllers") or (
+            {"l1": sm["store_controller"]} if "store_controller" in sm else {}
+        )
+        if not managers or not stores:
+            raise EngineError(self.name, f"GET /status names no L1 manager or store controller: {sorted(sm)}")
+        return {
+            "l1_write_locked": sum(int(m.get("write_locked_count", 0)) for m in managers.values()),
+            "pending_keys": sum(int(c.get("pending_keys_count", 0)) for c in stores.values()),
+            "in_flight_tasks": sum(int(c.get("in_flight_task_count", 0)) for c in stores.values()),
+        }
 
     # ---- instance churn -------------------------------------------------------------------
     @provides(InstanceChurn)
