@@ -67,7 +67,7 @@ envs: venv
 # The report and the dashboard are written whatever the checks' outcome; the exit code is pytest's.
 engines: envs
 	$(BIN)/python -m pytest kvconform/suites $(addprefix --engine ,$(REAL_ENGINES) $(SEPARATE_ENGINES)) -n 2 --dist loadgroup \
-	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rs --durations=25; code=$$?; \
+	  --results-dir $(RESULTS)/engines --alluredir $(RESULTS)/engines/allure -rsfE --tb=short --durations=25; code=$$?; \
 	$(BIN)/kvconform report $(RESULTS)/engines/allure --results $(RESULTS)/engines --out $(RESULTS)/engines/report \
 	  $(KILLS) || echo "[engines] report not generated"; \
 	$(BIN)/kvconform dashboard $(RESULTS)/engines | tail -1; exit $$code
