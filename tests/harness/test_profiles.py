@@ -351,3 +351,46 @@ def test_vllm_requests_in_flight_reads_the_scheduler_gauges(tmp_path: Path, monk
     del snap.samples["vllm:num_requests_waiting"]
     with pytest.raises(EngineError, match="vllm:num_requests_waiting"):
         adapter.requests_in_flight()
+
+
+def test_restart_churn_keeps_what_each_unclean_stop_said(tmp_path: Path) -> None:
+    """A leftover measure's reader gets the stop that left it: a stop that needed a kill or
+    left files is kept as its teardown described it; a clean one is not."""
+    adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
+    churn = adapter.churn
+    churn.count([TeardownReport("vllm-serve", 0, 4.9, False)])
+    assert churn.release_notes() == []
+    forced = TeardownReport("vllm-serve", -9, 30.1, True, leftover_processes=["7:python3"])
+    left = TeardownReport("vllm-serve", 0, 10.3, False, leftover_shm={"psm_x": 167772180})
+    left.notes.append(FORCED_SHUTDOWN_NOTE)
+    churn.count([forced, left])
+    notes = churn.release_notes()
+    assert len(notes) == 2
+    assert "needed SIGKILL" in notes[0] and "7:python3" in notes[0]
+    assert "psm_x" in notes[1] and FORCED_SHUTDOWN_NOTE in notes[1]
+    assert churn.leftover_measures()["restart_leftover_shm_bytes"].value == 167772180
+
+
+def test_lmcache_l2_flush_waits_for_its_status_and_names_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counters equal and quiet are not enough while GET /status still holds keys for L2; a
+    backlog that never drains is an error naming LMCache and the backlog, not a partial tier."""
+    adapter = LmcacheAdapter(AdapterContext(workdir=tmp_path))
+    snap = MetricSnapshot(taken_at=time.time())
+    snap.samples = {
+        "lmcache_mp_l2_store_submitted_requests_total": {frozenset(): 3.0},
+        "lmcache_mp_l2_store_completed_requests_total": {frozenset(): 3.0},
+    }
+    status = {"l1_managers": {"l1": {"write_locked_count": 0}}, "store_controllers": {"l1": {}}}
+    pending = {"pending_keys_count": 4, "in_flight_task_count": 0}
+    status["store_controllers"]["l1"] = pending
+    monkeypatch.setattr(adapter, "metrics", lambda: snap)
+    monkeypatch.setattr(adapter, "get_json", lambda path: {"storage_manager": status})
+    monkeypatch.setattr(adapter, "logs", lambda lines=80: {})
+    with pytest.raises(EngineError, match=r"L2 stores not done.*'pending_keys': 4"):
+        adapter.flush_l2(timeout_s=0.3, quiet_s=0.0)
+    pending["pending_keys_count"] = 0
+    started = time.monotonic()
+    adapter.flush_l2(timeout_s=5.0, quiet_s=0.2)
+    assert time.monotonic() - started < 2.0
