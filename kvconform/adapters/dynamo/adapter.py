@@ -581,9 +581,12 @@ class DynamoAdapter(
         (dynamo_component_inflight_requests of its generate endpoint) and each mocker's
         scheduler (vllm:num_requests_running + vllm:num_requests_waiting)."""
         snap = self.metrics()
-        if not snap.has("dynamo_frontend_inflight_requests"):
-            raise EngineError(self.name, "frontend /metrics lacks dynamo_frontend_inflight_requests")
-        total = snap.value("dynamo_frontend_inflight_requests")
+        total = 0.0  # the frontend's gauge appears with its first request (labelled by model)
+        if snap.has("dynamo_frontend_inflight_requests"):
+            total = snap.value("dynamo_frontend_inflight_requests")
+        elif served := snap.value("dynamo_frontend_requests_total", 0.0):
+            missing = "dynamo_frontend_inflight_requests"
+            raise EngineError(self.name, f"frontend /metrics lacks {missing} after {served:.0f} requests")
         total += snap.value("dynamo_component_inflight_requests", dynamo_endpoint="generate")
         total += snap.value("vllm:num_requests_running") + snap.value("vllm:num_requests_waiting")
         return round(total)

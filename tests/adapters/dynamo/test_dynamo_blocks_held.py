@@ -48,3 +48,22 @@ def test_a_stack_that_never_drains_is_an_error_not_a_reading(
     monkeypatch.setattr(dynamo, "logs", lambda lines=80: {})
     with pytest.raises(EngineError, match="requests still open"):
         dynamo.kv_blocks_held_bytes()
+
+
+def test_a_fresh_frontend_has_nothing_in_flight_until_it_served(
+    dynamo: DynamoAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The frontend's in-flight gauge appears with its first request: absent before, it is 0;
+    absent after a request, an error naming the gauge."""
+    snap = usage_snapshot(0.0)
+    idle = {frozenset({("mocker", "0"), ("dynamo_endpoint", "generate")}): 0.0}
+    for family in dynamo.worker_metric_families:  # metrics() fills a mocker's unserved families with 0
+        snap.samples.setdefault(family, dict(idle))
+    monkeypatch.setattr(dynamo, "metrics", lambda: snap)
+    assert dynamo.requests_in_flight() == 0
+    assert dynamo.kv_blocks_held_bytes() == 0
+    snap.samples["dynamo_frontend_requests_total"] = {frozenset({("model", "m")}): 3.0}
+    with pytest.raises(EngineError, match="lacks dynamo_frontend_inflight_requests after 3 requests"):
+        dynamo.requests_in_flight()
+    snap.samples["dynamo_frontend_inflight_requests"] = {frozenset({("model", "m")}): 2.0}
+    assert dynamo.requests_in_flight() == 2
