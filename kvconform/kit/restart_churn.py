@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvconform.contract import EngineConfig, InstanceChurn
+from kvconform.kit.leftover_tally import LeftoverTally
 from kvconform.memory import MemoryMeasure
 from kvconform.processes import TeardownReport
 
@@ -27,10 +28,7 @@ class RestartChurn(InstanceChurn):
         # point.
         self.engine = engine
         self.restart_cycles = restart_cycles
-        # What the stopped servers left (and the teardown removed), cumulative over cycles; an
-        # adapter may count more kinds (Dynamo: discovery registrations).
-        self.leftovers: dict[str, int] = {"processes": 0, "shm_bytes": 0}
-        self.unclean: list[str] = []  # each stop that left something, as its teardown described it
+        self.tally = LeftoverTally()  # what the stopped servers left, cumulative over cycles
 
     def cycle(self, path: str, index: int, tokens: list[int]) -> None:
         if path != RESTART:
@@ -42,13 +40,10 @@ class RestartChurn(InstanceChurn):
 
     def count(self, reports: list[TeardownReport]) -> None:
         for report in reports:
-            self.leftovers["processes"] += len(report.leftover_processes)
-            self.leftovers["shm_bytes"] += sum(report.leftover_shm.values())
-            if not report.clean or report.forced_kill or report.notes:
-                self.unclean.append(report.describe())
+            self.tally.count(report)
 
-    def release_notes(self) -> list[str]:
-        return list(self.unclean)
+    def release_notes(self, path: str) -> list[str]:
+        return list(self.tally.notes)
 
     def cycles(self, path: str, requested: int) -> int:
         return min(requested, self.restart_cycles)
@@ -60,7 +55,7 @@ class RestartChurn(InstanceChurn):
         return 1
 
     def leftover_measures(self) -> dict[str, MemoryMeasure]:
-        left = self.leftovers
+        left = self.tally.counts
         return {
             # Counted at teardown, so they cannot move inside one server's life: a long session
             # judges the KV an engine holds, never these (holds_kv False).

@@ -359,12 +359,12 @@ def test_restart_churn_keeps_what_each_unclean_stop_said(tmp_path: Path) -> None
     adapter = VllmAdapter(AdapterContext(workdir=tmp_path))
     churn = adapter.churn
     churn.count([TeardownReport("vllm-serve", 0, 4.9, False)])
-    assert churn.release_notes() == []
+    assert churn.release_notes("restart") == []
     forced = TeardownReport("vllm-serve", -9, 30.1, True, leftover_processes=["7:python3"])
     left = TeardownReport("vllm-serve", 0, 10.3, False, leftover_shm={"psm_x": 167772180})
     left.notes.append(FORCED_SHUTDOWN_NOTE)
     churn.count([forced, left])
-    notes = churn.release_notes()
+    notes = churn.release_notes("restart")
     assert len(notes) == 2
     assert "needed SIGKILL" in notes[0] and "7:python3" in notes[0]
     assert "psm_x" in notes[1] and FORCED_SHUTDOWN_NOTE in notes[1]
@@ -394,3 +394,17 @@ def test_lmcache_l2_flush_waits_for_its_status_and_names_a_timeout(
     started = time.monotonic()
     adapter.flush_l2(timeout_s=5.0, quiet_s=0.2)
     assert time.monotonic() - started < 2.0
+
+
+def test_a_tally_leaves_out_the_clients_files() -> None:
+    """A file the teardown found that is a client's (the reference engine's exports) is neither
+    counted nor noted; the engine's own is both."""
+    from kvconform.kit.leftover_tally import LeftoverTally
+
+    tally = LeftoverTally()
+    report = TeardownReport("reference", 0, 0.2, False, leftover_shm={"client_x": 4096})
+    tally.count(report, not_the_engines={"client_x"})
+    assert tally.counts == {"processes": 0, "shm_bytes": 0} and tally.notes == []
+    report.leftover_shm["engine_y"] = 8192
+    tally.count(report, not_the_engines={"client_x"})
+    assert tally.counts["shm_bytes"] == 8192 and len(tally.notes) == 1

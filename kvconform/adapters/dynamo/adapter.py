@@ -398,8 +398,8 @@ class DynamoAdapter(
         self.config = None
         if self._stack is not None:
             left = self.leftover_registrations(self._stack)
-            self.churn.leftovers.setdefault("registrations", 0)
-            self.churn.leftovers["registrations"] += len(left)
+            self.churn.tally.counts.setdefault("registrations", 0)
+            self.churn.tally.counts["registrations"] += len(left)
             if left:
                 notes = [f"left {len(left)} registrations, e.g. {left[:3]}"]
                 reports.append(TeardownReport("dynamo discovery", None, 0.0, False, notes=notes))
@@ -424,7 +424,7 @@ class DynamoAdapter(
         (RestartChurn) and file-discovery registrations; while the stack runs, the KV blocks its
         mockers' requests hold (exact, by the mockers' own allocators)."""
         measures = self.churn.leftover_measures()
-        registrations = self.churn.leftovers.get("registrations", 0)
+        registrations = self.churn.tally.counts.get("registrations", 0)
         measures["restart_leftover_registrations"] = MemoryMeasure(
             registrations, True, "registrations", holds_kv=False
         )

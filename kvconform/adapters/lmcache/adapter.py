@@ -54,6 +54,7 @@ from kvconform.events import EventLedger, KvEvent
 from kvconform.kit.drivers import DriverProcess, live_driver
 from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.http_api import HttpApi
+from kvconform.kit.leftover_tally import LeftoverTally
 from kvconform.kit.persistent_tiers import FileTier, StoreTier
 from kvconform.kit.server import LaunchedServer
 from kvconform.memory import SHM_DIR, MemoryMeasure, gpu_measures, sample_processes, threads_measure
@@ -173,7 +174,7 @@ class LmcacheAdapter(
         self.simulator: DriverProcess | None = None
         self.coordinator: LmcacheCoordinatorIndex | None = None  # RADIX_INDEX
         self.rpc_url = ""
-        self.closed_leftovers = {"processes": 0, "shm_bytes": 0}
+        self.closed = LeftoverTally()  # what the servers closed with an instance left
         self.killed_client_files = 0
         self.instances_made = 0
 
@@ -596,8 +597,7 @@ class LmcacheAdapter(
         assert self.server is not None
         report = self.server.stop()  # the server closes with the instance still registered
         self.server = None
-        self.closed_leftovers["processes"] += len(report.leftover_processes)
-        self.closed_leftovers["shm_bytes"] += sum(report.leftover_shm.values())
+        self.closed.count(report)
         for driver in (self.client, self.churner):  # clients of a closed server go too
             if driver is not None:
                 self.killed_client_files += len(driver.close().leftover_shm)
@@ -639,9 +639,9 @@ class LmcacheAdapter(
         if path == "close":
             return {
                 "closed_server_leftover_processes": MemoryMeasure(
-                    self.closed_leftovers["processes"], True, "processes"
+                    self.closed.counts["processes"], True, "processes"
                 ),
-                "closed_server_leftover_shm_bytes": MemoryMeasure(self.closed_leftovers["shm_bytes"], True),
+                "closed_server_leftover_shm_bytes": MemoryMeasure(self.closed.counts["shm_bytes"], True),
             }
         sample = sample_processes(self.engine_pids())
         return {
@@ -828,3 +828,6 @@ class LmcacheChurn(InstanceChurn):
 
     def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         return self.engine.unregister_twice(tokens)
+
+    def release_notes(self, path: str) -> list[str]:
+        return list(self.engine.closed.notes) if path == "close" else []

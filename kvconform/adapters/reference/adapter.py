@@ -49,6 +49,7 @@ from kvconform.engines.reference.disk import HEADER as DISK_HEADER
 from kvconform.errors import EngineError
 from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
+from kvconform.kit.leftover_tally import LeftoverTally
 from kvconform.kit.offload_tier import MetricOffloadTier
 from kvconform.kit.persistent_tiers import FileTier
 from kvconform.kit.server import LaunchedServer
@@ -140,7 +141,7 @@ class ReferenceAdapter(
         self.decode: LaunchedServer | None = None
         self.exports: dict[str, tuple[str, int]] = {}
         self.gpu_exports: dict[str, Any] = {}
-        self.churn_leftovers = {p: {"processes": 0, "shm_bytes": 0} for p in ("close", "restart")}
+        self.churn_leftovers = {p: LeftoverTally() for p in ("close", "restart")}
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -352,10 +353,7 @@ class ReferenceAdapter(
         config = self.config or EngineConfig()
         report = self.server.process.stop(grace_s=self.TEARDOWN_GRACE_S)
         exported = {name for name, _size in self.exports.values()}
-        self.churn_leftovers[path]["processes"] += len(report.leftover_processes)
-        self.churn_leftovers[path]["shm_bytes"] += sum(
-            size for name, size in report.leftover_shm.items() if name not in exported
-        )
+        self.churn_leftovers[path].count(report, not_the_engines=exported)
         for instance_id in [*self.exports, *self.gpu_exports]:
             self._client_died(instance_id)  # the clients of a closed server go too
         self._free_dead_exports()
@@ -370,7 +368,7 @@ class ReferenceAdapter(
         (unregister, reaper); live tensor bytes and RSS (destroy); what teardown found left,
         cumulative over cycles (close, restart). Outside churn: all of the server's."""
         if path in ("close", "restart"):
-            left = self.churn_leftovers[path]
+            left = self.churn_leftovers[path].counts
             return {
                 f"{path}_leftover_processes": MemoryMeasure(left["processes"], True, "processes"),
                 f"{path}_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True),
@@ -584,6 +582,10 @@ class ReferenceChurn(InstanceChurn):
 
     def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
         return self.engine.release_instance_twice(path, tokens)
+
+    def release_notes(self, path: str) -> list[str]:
+        left = self.engine.churn_leftovers.get(path)
+        return list(left.notes) if left else []
 
 
 class ReferenceOffloadTier(MetricOffloadTier):

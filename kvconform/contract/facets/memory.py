@@ -33,9 +33,10 @@ class InstanceChurn(ABC):
         measures); fewer where every measure of the path is exact."""
         return 2
 
-    def release_notes(self) -> list[str]:
-        """What the releases so far left that a reviewer needs to read a leftover measure (the
-        stop that needed a kill, the process and files left): the engine's words, not numbers."""
+    def release_notes(self, path: str) -> list[str]:
+        """What the releases through `path` so far left that a reviewer needs to read a leftover
+        measure (the stop that needed a kill, the process and files left): the engine's words,
+        not numbers."""
         return []
 
     def second_release(self, path: str, tokens: list[int]) -> SecondRelease:

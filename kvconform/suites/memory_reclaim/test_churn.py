@@ -150,7 +150,7 @@ def test_churn_returns_to_baseline(
                 note="Theil-Sen 95 %",
             )
         verdict.add_series(f"{name} over time", sampler.points.get(name, []))
-    notes = churn.release_notes()
+    notes = churn.release_notes(path)
     if notes:  # what a leftover measure's reader needs first: which stop, and how it went
         verdict.record("release_notes", len(notes), "releases", note=" | ".join(notes))
     verdict.conclude()
