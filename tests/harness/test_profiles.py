@@ -8,6 +8,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -382,12 +383,15 @@ def test_lmcache_l2_flush_waits_for_its_status_and_names_a_timeout(
         "lmcache_mp_l2_store_submitted_requests_total": {frozenset(): 3.0},
         "lmcache_mp_l2_store_completed_requests_total": {frozenset(): 3.0},
     }
-    status = {"l1_managers": {"l1": {"write_locked_count": 0}}, "store_controllers": {"l1": {}}}
+    status: dict[str, Any] = {"l1_managers": {"l1": {}}, "store_controllers": {"l1": {}}}
     pending = {"pending_keys_count": 4, "in_flight_task_count": 0}
     status["store_controllers"]["l1"] = pending
     monkeypatch.setattr(adapter, "metrics", lambda: snap)
     monkeypatch.setattr(adapter, "get_json", lambda path: {"storage_manager": status})
     monkeypatch.setattr(adapter, "logs", lambda lines=80: {})
+    with pytest.raises(EngineError, match="GET /status lacks 'write_locked_count'"):
+        adapter.flush_l2(timeout_s=0.3, quiet_s=0.0)
+    status["l1_managers"]["l1"]["write_locked_count"] = 0
     with pytest.raises(EngineError, match=r"L2 stores not done.*'pending_keys': 4"):
         adapter.flush_l2(timeout_s=0.3, quiet_s=0.0)
     pending["pending_keys_count"] = 0

@@ -515,11 +515,14 @@ class LmcacheAdapter(
         )
         if not managers or not stores:
             raise EngineError(self.name, f"GET /status names no L1 manager or store controller: {sorted(sm)}")
-        return {
-            "l1_write_locked": sum(int(m.get("write_locked_count", 0)) for m in managers.values()),
-            "pending_keys": sum(int(c.get("pending_keys_count", 0)) for c in stores.values()),
-            "in_flight_tasks": sum(int(c.get("in_flight_task_count", 0)) for c in stores.values()),
-        }
+        try:  # a field LMCache no longer reports is an error, never a 0 that reads as drained
+            return {
+                "l1_write_locked": sum(int(m["write_locked_count"]) for m in managers.values()),
+                "pending_keys": sum(int(c["pending_keys_count"]) for c in stores.values()),
+                "in_flight_tasks": sum(int(c["in_flight_task_count"]) for c in stores.values()),
+            }
+        except KeyError as missing:
+            raise EngineError(self.name, f"GET /status lacks {missing} (report_status)") from None
 
     # ---- instance churn -------------------------------------------------------------------
     @provides(InstanceChurn)
