@@ -162,7 +162,8 @@ class EngineAdapter(ABC):
         `tokens` are token ids (kvconform.prompts: ids 10..3999, so a model needs a vocabulary
         of at least 4000), sent as given (no BOS added). With ANSWERS_FROM_KV the answer is
         greedy (temperature 0), `max_tokens` long (EOS ignored), its token ids in
-        ServedPrompt.output."""
+        ServedPrompt.output; a KV store with no model answers [1] where every chunk served
+        from cache held its prefix's own bytes, [0] where one did not."""
         raise NotImplementedError
 
     def metrics(self) -> MetricSnapshot:

@@ -11,8 +11,10 @@ class Capability(StrEnum):
     # prefix reuse
     PREFIX_CACHE = "prefix_cache"  # serve_prompt() reports cached tokens per request
     PREFIX_HIT_COUNTERS = "prefix_hit_counters"  # engine-wide queried/hit token counters
-    # A model computes the answer from the KV: serve_prompt returns max_tokens greedy token ids
-    # in ServedPrompt.output (the suites compare 8 of them, from cache and computed in full).
+    # The answer depends on the KV it was served from: serve_prompt returns in ServedPrompt.output
+    # a model's max_tokens greedy token ids (the suites compare 8 of them, from cache and computed
+    # in full) or, for a KV store that runs no model, one value per prompt: 1 where every chunk
+    # served from cache held the bytes its prefix was stored with, 0 where one did not.
     ANSWERS_FROM_KV = "answers_from_kv"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     BLOCK_SIZE_CONFIG = "block_size_config"  # can run at a chosen block size

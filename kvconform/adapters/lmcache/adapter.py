@@ -107,6 +107,8 @@ class LmcacheAdapter(
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            # the answer is the retrieved bytes, checked against the prefix's own (op_retrieve)
+            C.ANSWERS_FROM_KV,
             C.RESET_PREFIX_CACHE,
             C.BLOCK_SIZE_CONFIG,
             C.RESTART,
@@ -702,6 +704,7 @@ class LmcacheRedisAdapter(LmcacheAdapter):
         {
             C.PREFIX_CACHE,
             C.PREFIX_HIT_COUNTERS,
+            C.ANSWERS_FROM_KV,  # the retrieved bytes, checked as on `lmcache`
             C.RESTART,
             C.PERSISTENT_PREFIX,
             C.TIERED_STORE_METRICS,

@@ -2,8 +2,9 @@
 
 A prefix hit that counts right but serves the wrong KV (another position's block, another
 prefix's, a stale copy) changes nothing a counter reads; only the answer shows it. Judged
-where a model computes the answer from the KV (Capability.ANSWERS_FROM_KV), over
-ANSWER_TOKENS greedy tokens: one token is too often the same whatever the context.
+where the answer depends on the KV (Capability.ANSWERS_FROM_KV): a model's ANSWER_TOKENS greedy
+tokens (one token is too often the same whatever the context), or a KV store's one-value check
+that the bytes it served are the prefix's own (a store runs no model; the answer is its bytes).
 
 What is judged is how many tokens the two answers agree on before they first differ: at least
 ANSWER_AGREEING of ANSWER_TOKENS. A cached prefix is computed on another kernel path than a full
@@ -52,7 +53,7 @@ def judge_same_answer(
         ">=",
         1,
         "tokens",
-        note="the engine must return the answer's token ids",
+        note="the engine must return its answer (token ids, or a KV store's check of the bytes it served)",
     )
     agreeing = agreeing_tokens(cached, uncached)
     verdict.expect(
@@ -61,7 +62,7 @@ def judge_same_answer(
         ">=",
         min(ANSWER_AGREEING, len(uncached.output)),
         "tokens",
-        note=f"greedy tokens agreeing before the first difference: from cache {cached.output} "
+        note=f"answer values agreeing before the first difference: from cache {cached.output} "
         f"vs computed without it {uncached.output}",
     )
 
