@@ -25,6 +25,9 @@ from kvconform.processes import EngineProcess, TeardownReport
 # Modules a driver may import inside its engine's environment (jsonl_loop, make_tiny_model):
 # on the driver's PYTHONPATH, beside the folder of the driver script itself.
 ENGINE_SIDE_DIR = Path(__file__).resolve().parent / "engine_side"
+# A `torchvision` whose imports succeed and whose calls raise (its docstring says why): on
+# PYTHONPATH only where a CPU engine imports image helpers it never runs.
+TORCHVISION_STANDIN_DIR = ENGINE_SIDE_DIR / "standins"
 
 
 # make_tiny_model.py's --weights: the tiny model served with seeded weights under which an

@@ -37,7 +37,7 @@ What it reads (SGLang 0.5.23):
 
 CPU (spec field `cpu_engine = true`): `SGLANG_USE_CPU_ENGINE=1`, `--device cpu
 --attention-backend torch_native`, and stand-ins for `sgl_kernel` (drivers/sglang_server_stubs)
-and torchvision (the sglang adapter's drivers/sglang_stubs) on PYTHONPATH: SGLang imports the
+and torchvision (kit/engine_side/standins) on PYTHONPATH: SGLang imports the
 CPU sgl_kernel at module level, and no CPU build is on the registries. The stand-in raises when
 called; its calls are logged and shown with the server log.
 
@@ -86,7 +86,7 @@ from kvconform.contract import (
     provides,
 )
 from kvconform.errors import EngineError, UsageError
-from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, engine_side_script
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, TORCHVISION_STANDIN_DIR, engine_side_script
 from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
@@ -99,7 +99,7 @@ from kvconform.processes import TeardownReport, free_port
 DRIVERS = Path(__file__).resolve().parent / "drivers"
 STUB_DIRS = (
     DRIVERS / "sglang_server_stubs",  # sgl_kernel
-    Path(__file__).resolve().parent.parent / "sglang" / "drivers" / "sglang_stubs",  # torchvision
+    TORCHVISION_STANDIN_DIR,
 )
 STANDIN_CALLS_ENV = "KVCONFORM_SGL_KERNEL_CALLS"  # read by the sgl_kernel stand-in
 

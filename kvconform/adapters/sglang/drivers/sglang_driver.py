@@ -46,9 +46,13 @@ os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 warnings.filterwarnings("ignore")
 
 # sglang.srt.configs imports image-preprocessing helpers that import torchvision at module
-# level; PyPI torchvision cannot sit beside the CPU torch. Our stand-in (sglang_stubs/) goes at
-# the END of sys.path and only when no torchvision is installed. See its docstring.
-_STUBS = os.path.join(_HERE, "sglang_stubs")
+# level; PyPI torchvision cannot sit beside the CPU torch. Our stand-in (engine_side/standins,
+# beside jsonl_loop on the driver's PYTHONPATH) goes at the END of sys.path and only when no
+# torchvision is installed. See its docstring.
+_STUBS = next(
+    (os.path.join(p, "standins") for p in sys.path if os.path.isfile(os.path.join(p, "jsonl_loop.py"))),
+    os.path.join(_HERE, "standins"),
+)
 TORCHVISION_STANDIN = importlib.util.find_spec("torchvision") is None
 if TORCHVISION_STANDIN and _STUBS not in sys.path:
     sys.path.append(_STUBS)

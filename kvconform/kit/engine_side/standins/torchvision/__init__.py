@@ -1,19 +1,22 @@
-"""STAND-IN for `torchvision` inside kvconform's SGLang driver environment. Not torchvision.
+"""STAND-IN for `torchvision` inside kvconform's CPU engine environments. Not torchvision.
 
-Why it exists: importing `sglang.srt.mem_cache.*` pulls `sglang.srt.configs`, which imports
-multimodal helpers (InternVL / DeepSeek-OCR image preprocessing) that do
-`import torchvision.transforms` at module level. The PyPI torchvision wheel is built against
-a CUDA torch and breaks beside torch 2.13.0+cpu (and pip would replace the CPU torch to satisfy
-it). The code paths kvconform drives (radix cache, token allocators, KV events, disaggregation
-byte accounting, release_kv_cache) never touch image transforms.
+Why it exists: engines import multimodal helpers that do `import torchvision.transforms` at
+module level: SGLang's `sglang.srt.configs` (InternVL / DeepSeek-OCR image preprocessing, pulled
+by `sglang.srt.mem_cache.*`), Dynamo's vLLM worker (dynamo/vllm/multimodal_utils/models/qwen.py
+imports transformers' Qwen2-VL image processor). The PyPI torchvision wheel is built against a
+CUDA torch and breaks beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"), and
+the registries hold no CPU build of it. The code paths kvconform drives (radix cache, token
+allocators, KV events, disaggregation byte accounting, release_kv_cache, text completions)
+never touch image transforms.
 
 What it does: every `torchvision` or `torchvision.<anything>` import succeeds; every name looked
 up on such a module is a placeholder whose attributes are placeholders too; *calling* or
 instantiating a placeholder raises RuntimeError naming the symbol. So if a code path under test
 ever really used torchvision, the driver fails loudly instead of computing something wrong.
 
-How it is put on the path: sglang_driver.py inserts the `sglang_stubs` directory at the END of
-sys.path, and only when no real torchvision is importable.
+How it is put on the path: the SGLang driver appends the `standins` directory to sys.path, and
+only when no real torchvision is importable; the servers that need it (sglang-server,
+dynamo-vllm's workers) get it on PYTHONPATH (kvconform.kit.drivers.TORCHVISION_STANDIN_DIR).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class _Placeholder:
     def __call__(self, *args: object, **kwargs: object) -> _Placeholder:
         raise RuntimeError(
             f"{self._qualname} was called, but torchvision here is kvconform's stand-in "
-            "(adapters/drivers/sglang_stubs); this code path needs the real torchvision"
+            "(kit/engine_side/standins); this code path needs the real torchvision"
         )
 
     def __mro_entries__(self, bases: tuple) -> tuple:
