@@ -95,6 +95,7 @@ class DynamoAdapter(
 ):
     name = "dynamo"
     env_spec = "dynamo"
+    worker_label = "mocker"  # in the workers' log names
     deployment = Deployment(block_size=16, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     traits = EngineTraits(workers=WORKERS)
     capabilities = frozenset(
@@ -174,13 +175,22 @@ class DynamoAdapter(
             out = self.ctx.workdir / "model"
             if not (out / "config.json").exists():
                 subprocess.run(
-                    [str(self.env().python), str(engine_side_script("make_tiny_model.py")), str(out)],
+                    [
+                        str(self.env().python),
+                        str(engine_side_script("make_tiny_model.py")),
+                        str(out),
+                        *self.model_args(),
+                    ],
                     check=True,
                     capture_output=True,
                     timeout=300,
                 )
             self._model_dir = out
         return self._model_dir
+
+    def model_args(self) -> list[str]:
+        """make_tiny_model.py's arguments: the mocker reads the model's config and tokenizer only."""
+        return []
 
     def stack_env(self, stack: Path) -> dict[str, str]:
         for sub in ("kv", "home", "tmp", "hf"):
@@ -253,30 +263,13 @@ class DynamoAdapter(
             self.mockers.append(
                 LaunchedServer(
                     self.name,
-                    f"dynamo-mocker-{i}-{role or 'agg'}",
-                    [
-                        python,
-                        "-m",
-                        "dynamo.mocker",
-                        "--model-path",
-                        str(self.model_dir()),
-                        "--model-name",
-                        MODEL_NAME,
-                        "--block-size",
-                        str(block),
-                        "--num-gpu-blocks-override",
-                        str(GPU_BLOCKS),
-                        "--speedup-ratio",
-                        str(SPEEDUP_RATIO),
-                        *planes,
-                        *self.disagg_args(role),
-                        *self.event_args(i, role),
-                        *(["--num-host-blocks", str(HOST_BLOCKS)] if config.offload else []),
-                    ],
+                    f"dynamo-{self.worker_label}-{i}-{role or 'agg'}",
+                    [python, *self.worker_args(i, role, block, config), *planes],
                     self.ctx.workdir,
                     f"http://127.0.0.1:{system_port}/health",
                     env={
                         **env,
+                        **self.worker_env(),
                         "DYN_SYSTEM_PORT": str(system_port),
                         "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
                     },
@@ -293,6 +286,29 @@ class DynamoAdapter(
                 self.name, f"frontend never listed {len(roles)} workers for model {MODEL_NAME}", tails
             )
         self.config = config
+
+    def worker_args(self, index: int, role: str | None, block: int, config: EngineConfig) -> list[str]:
+        """A mocker: vLLM's scheduler and KV manager simulated, no model (dynamo/mocker)."""
+        return [
+            "-m",
+            "dynamo.mocker",
+            "--model-path",
+            str(self.model_dir()),
+            "--model-name",
+            MODEL_NAME,
+            "--block-size",
+            str(block),
+            "--num-gpu-blocks-override",
+            str(GPU_BLOCKS),
+            "--speedup-ratio",
+            str(SPEEDUP_RATIO),
+            *self.disagg_args(role),
+            *self.event_args(index, role),
+            *(["--num-host-blocks", str(HOST_BLOCKS)] if config.offload else []),
+        ]
+
+    def worker_env(self) -> dict[str, str]:
+        return {}
 
     def event_args(self, index: int, role: str | None) -> list[str]:
         """An aggregated mocker publishes its KV events in vLLM's ZMQ format on a port of its
@@ -469,23 +485,27 @@ class DynamoAdapter(
 
     # ---- requests -----------------------------------------------------------------------
     def _complete(self, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-        body = {
-            "model": MODEL_NAME,
-            "prompt": tokens,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "nvext": {"extra_fields": ["worker_id", "timing"]},
-        }
+        body = self.completion_body(tokens, max_tokens)
+        body["nvext"]["extra_fields"] += ["worker_id", "timing"]
         return self.post_json("/v1/completions", body)
 
     def completion_body(self, tokens: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+        """Greedy, with the answer's token ids (nvext.completion_token_ids: Dynamo's completion
+        responses carry no choices[].token_ids)."""
         return {
             "model": MODEL_NAME,
             "prompt": tokens,
             "max_tokens": max_tokens,
+            "temperature": 0,
             "ignore_eos": True,
             "stream": stream,
+            "nvext": {"extra_fields": ["completion_token_ids"]},
         }
+
+    def served_from_openai(self, data: Any, tokens: list[int]) -> ServedPrompt:
+        served = super().served_from_openai(data, tokens)
+        ids = ((data.get("nvext") or {}).get("completion_token_ids")) or served.output
+        return ServedPrompt(served.prompt_tokens, served.cached_tokens, [int(t) for t in ids])
 
     def serve_prompt(self, tokens: list[int], max_tokens: int = 1) -> ServedPrompt:
         return self.served_from_openai(self._complete(tokens, max_tokens), tokens)
@@ -496,10 +516,8 @@ class DynamoAdapter(
         to the same worker (nvext.backend_instance_id): with two workers the router may place
         two salts' requests apart, isolating them by placement alone; on one worker the
         isolation is the backend's to keep."""
-        body = {
-            **self.completion_body(tokens, max_tokens),
-            "nvext": {"cache_salt": salt, "backend_instance_id": self.pinned_worker()},
-        }
+        body = self.completion_body(tokens, max_tokens)
+        body["nvext"] |= {"cache_salt": salt, "backend_instance_id": self.pinned_worker()}
         return self.served_from_openai(self.post_json("/v1/completions", body), tokens)
 
     def pinned_worker(self) -> int:
