@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # In this order: the engines run in two xdist lanes (one group per engine, given to the worker
 # that frees first), so no two engines of one family (vLLM, LMCache) overlap on a 2-core runner.
-REAL_ENGINES ?= vllm lmcache sglang-server vllm-lmcache sglang dynamo omlx vllm-obj
+REAL_ENGINES ?= vllm lmcache sglang-server vllm-lmcache sglang dynamo omlx vllm-obj dynamo-vllm
 # `make mutants` judges these in a session of their own. lmcache-redis was moved out when two
 # LMCache stacks in one session seemed to disturb each other; both symptoms had other causes
 # since found (LMCache's 1 Hz eviction loop; a client signalled before its finalizers unlinked
@@ -99,7 +99,8 @@ mutants: envs
 # order so the two LMCache stacks do not overlap; any failure fails the target (xargs exits 123).
 SMOKE_MUTANTS ?= vllm:eviction_unannounced lmcache:fs_l2_listeners_unfired sglang-server:eviction_unannounced \
   sglang:transfer_bytes_ignore_fanout omlx:exact_hit_state_at_n lmcache-redis:l2_restore_on_access \
-  vllm-obj:obj_key_per_process vllm-lmcache:cache_salt_not_hashed dynamo:gpu_blocks_override_dropped
+  vllm-obj:obj_key_per_process vllm-lmcache:cache_salt_not_hashed dynamo:gpu_blocks_override_dropped \
+  dynamo-vllm:cache_salt_not_forwarded
 mutants-smoke: venv
 	printf '%s\n' $(SMOKE_MUTANTS) | xargs -P 2 -n 1 sh -c 'e=$${0%%:*}; \
 	  exec $(BIN)/kvconform mutants --engine $$e --mutant $${0#*:} --clean-from $(RESULTS)/engines \

@@ -28,6 +28,7 @@ BUILTIN: dict[str, str] = {
     "sglang": "kvconform.adapters.sglang.adapter:SglangAdapter",
     "sglang-server": "kvconform.adapters.sglang_server.adapter:SglangServerAdapter",
     "dynamo": "kvconform.adapters.dynamo.adapter:DynamoAdapter",
+    "dynamo-vllm": "kvconform.adapters.dynamo_vllm.adapter:DynamoVllmAdapter",
     "trtllm": "kvconform.adapters.trtllm.adapter:TrtllmAdapter",
     "omlx": "kvconform.adapters.omlx.adapter:OmlxAdapter",
 }

@@ -1,0 +1,1 @@
+"""dynamo-vllm adapter package: adapter.py, envs/."""

@@ -1,0 +1,93 @@
+"""Dynamo with a real model behind it: the frontend's KV router and one `python -m dynamo.vllm`
+worker (vLLM 0.31.0 on CPU, ai-dynamo 1.6.1's vLLM pin) serving the tiny model with seeded
+weights, so an answer depends on the KV it attends to.
+
+The `dynamo` configuration runs mockers: vLLM's scheduler and KV manager simulated, no model,
+synthetic tokens. What only a model can show is judged here: the answer served from Dynamo's
+cache against the answer computed without it, and whether a cache salt keeps two tenants apart
+on a backend that hashes it (the mocker keys blocks by tokens alone, docs/findings.md).
+Everything else of Dynamo 1.6.1 is judged on `dynamo` (inventory.toml says where).
+
+One worker: on a 2-core machine a second vLLM worker would only halve each one's CPU, and with
+one worker a repeated prompt meets its own cache whatever the router decides.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from kvconform.adapters.dynamo.adapter import MODEL_NAME, DynamoAdapter
+from kvconform.contract import Capability, Deployment, EngineConfig, EngineTraits, ModelShape
+from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, TORCHVISION_STANDIN_DIR
+
+C = Capability
+KV_CACHE_BYTES = 8 * 2**20  # 256 blocks of 32 tokens, as on `vllm`
+
+
+class DynamoVllmAdapter(DynamoAdapter):
+    name = "dynamo-vllm"
+    env_spec = "dynamo-vllm"
+    worker_label = "vllm"
+    # vLLM's CPU attention takes block sizes that are multiples of 32 (16 is refused at start)
+    deployment = Deployment(block_size=32, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
+    traits = EngineTraits(workers=1)
+    capabilities = frozenset(
+        {
+            C.PREFIX_CACHE,
+            C.PREFIX_HIT_COUNTERS,
+            C.ANSWERS_FROM_KV,  # nvext.completion_token_ids, greedy; the tiny model's seeded weights
+            C.CACHE_SALT,  # nvext.cache_salt -> the prompt's cache_salt (handlers.py _apply_nvext_cache_salt)
+        }
+    )
+
+    @staticmethod
+    def worker_roles(config: EngineConfig) -> list[str | None]:
+        return [None]
+
+    def model_args(self) -> list[str]:
+        model = self.deployment.model
+        return [
+            "--layers",
+            str(model.layers),
+            "--heads",
+            str(model.kv_heads),
+            "--kv-heads",
+            str(model.kv_heads),
+            "--head-dim",
+            str(model.head_dim),
+            *TINY_MODEL_WEIGHTS,
+        ]
+
+    def worker_args(self, index: int, role: str | None, block: int, config: EngineConfig) -> list[str]:
+        """`python -m dynamo.vllm` with vLLM's own engine arguments, as `vllm serve` takes them
+        on the `vllm` engine (prefix caching, an 8 MiB KV pool, eager mode)."""
+        return [
+            "-m",
+            "dynamo.vllm",
+            "--model",
+            str(self.model_dir()),
+            "--served-model-name",
+            MODEL_NAME,
+            "--dtype",
+            "bfloat16",
+            "--enable-prefix-caching",
+            "--block-size",
+            str(block),
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
+            "--enforce-eager",
+        ]
+
+    def worker_env(self) -> dict[str, str]:
+        """The torchvision stand-in; vLLM's IPC sockets in the system's temp directory, as
+        `vllm serve` has them on `vllm`: the stack's own TMPDIR under a deep work directory
+        makes their paths longer than a Unix socket allows (107 bytes; vLLM then fails to start)."""
+        return {"PYTHONPATH": str(TORCHVISION_STANDIN_DIR), "VLLM_RPC_BASE_PATH": tempfile.gettempdir()}
+
+    def kv_pool_bytes(self) -> int:
+        return KV_CACHE_BYTES
+
+    def cache_capacity_tokens(self) -> int:
+        return KV_CACHE_BYTES // self.deployment.model.block_bytes(1)
