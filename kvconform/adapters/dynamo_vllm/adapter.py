@@ -17,7 +17,14 @@ from __future__ import annotations
 import tempfile
 
 from kvconform.adapters.dynamo.adapter import MODEL_NAME, DynamoAdapter
-from kvconform.contract import Capability, Deployment, EngineConfig, EngineTraits, ModelShape
+from kvconform.contract import (
+    Capability,
+    Deployment,
+    EngineConfig,
+    EngineTraits,
+    ModelShape,
+    deployed_block_size,
+)
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, TORCHVISION_STANDIN_DIR
 
 C = Capability
@@ -37,6 +44,9 @@ class DynamoVllmAdapter(DynamoAdapter):
             C.PREFIX_HIT_COUNTERS,
             C.ANSWERS_FROM_KV,  # nvext.completion_token_ids, greedy; the tiny model's seeded weights
             C.CACHE_SALT,  # nvext.cache_salt -> the prompt's cache_salt (handlers.py _apply_nvext_cache_salt)
+            # the frontend's and the worker's live request counts, the worker's vLLM KV usage
+            C.ABORT_REQUESTS,
+            C.FORCED_EVICTION,  # the worker's 256-block pool, filled through the frontend
         }
     )
 
@@ -90,4 +100,5 @@ class DynamoVllmAdapter(DynamoAdapter):
         return KV_CACHE_BYTES
 
     def cache_capacity_tokens(self) -> int:
-        return KV_CACHE_BYTES // self.deployment.model.block_bytes(1)
+        block = deployed_block_size(self)
+        return KV_CACHE_BYTES // self.deployment.model.block_bytes(block) * block
