@@ -46,6 +46,7 @@ from kvconform.contract import (
     apply_launch_profile,
     deployed_block_size,
     log_tail,
+    poll_until,
     provides,
     read_metric,
 )
@@ -70,6 +71,7 @@ C = Capability
 L1_EVICTION_PERIOD_S = 1.0
 L1_GB = 0.05  # small, so eviction is reachable and the server's RSS stays ~470 MB
 REAP_TIMEOUT_S = 30  # LMCache's minimum
+LOCK_SETTLE_S = 2.0  # a store's L1 write locks clear within ms of its reply (commit callback)
 CLIENT_DTYPES = {2: "float16", 4: "float32"}  # KV dtype our client registers, by bytes per element
 SERVING_INSTANCE = 1
 SERVING_BLOCKS = 512  # 8192 tokens of 16-token blocks
@@ -506,9 +508,8 @@ class LmcacheAdapter(
                 )
             time.sleep(0.1)
 
-    def l2_store_backlog(self) -> dict[str, int]:
-        """What GET /status says is still on its way to L2: L1 write locks held, keys waiting for
-        the store controller, store tasks in flight (summed over L1 managers)."""
+    def storage_status(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """GET /status's L1 managers and store controllers (storage_manager report_status)."""
         sm = self.get_json("/status").get("storage_manager", {})
         # 0.5.6: one entry per L1 tag; earlier releases: one unnamed entry
         managers = sm.get("l1_managers") or ({"l1": sm["l1_manager"]} if "l1_manager" in sm else {})
@@ -517,6 +518,12 @@ class LmcacheAdapter(
         )
         if not managers or not stores:
             raise EngineError(self.name, f"GET /status names no L1 manager or store controller: {sorted(sm)}")
+        return managers, stores
+
+    def l2_store_backlog(self) -> dict[str, int]:
+        """What GET /status says is still on its way to L2: L1 write locks held, keys waiting for
+        the store controller, store tasks in flight (summed over L1 managers)."""
+        managers, stores = self.storage_status()
         try:  # a field LMCache no longer reports is an error, never a 0 that reads as drained
             return {
                 "l1_write_locked": sum(int(m["write_locked_count"]) for m in managers.values()),
@@ -525,6 +532,24 @@ class LmcacheAdapter(
             }
         except KeyError as missing:
             raise EngineError(self.name, f"GET /status lacks {missing} (report_status)") from None
+
+    def l1_objects_locked(self) -> int:
+        """L1 objects requests hold now, read- or write-locked, by LMCache's own count
+        (L1Manager.report_status read_locked_count + write_locked_count). A store's write locks
+        clear a few ms after its reply (the commit callback): read once they have, or after
+        LOCK_SETTLE_S, so what is counted is what no request released."""
+
+        def locked() -> int:
+            managers, _stores = self.storage_status()
+            try:
+                return sum(
+                    int(m["read_locked_count"]) + int(m["write_locked_count"]) for m in managers.values()
+                )
+            except KeyError as missing:
+                raise EngineError(self.name, f"GET /status lacks {missing} (report_status)") from None
+
+        poll_until(lambda: locked() == 0, timeout_s=LOCK_SETTLE_S, interval_s=0.05)
+        return locked()
 
     # ---- instance churn -------------------------------------------------------------------
     @provides(InstanceChurn)
@@ -649,11 +674,20 @@ class LmcacheAdapter(
                 "closed_server_leftover_shm_bytes": MemoryMeasure(self.closed.counts["shm_bytes"], True),
             }
         sample = sample_processes(self.engine_pids())
-        return {
+        measures = {
             "server_shm_mapped_bytes": MemoryMeasure(sample.shm_bytes, exact=True),
             "server_rss_bytes": MemoryMeasure(sample.rss, exact=False),
             **gpu_measures(sample),
         }
+        if path is None and self.running():
+            # The KV requests pin in L1 between requests: every object a request locked and did
+            # not release (LMCache#4852: read locks of a lookup nobody retrieves, kept for the
+            # server's lifetime). One chunk object is a block of the registered model's KV.
+            chunk = self.deployment.model.block_bytes(deployed_block_size(self))
+            measures["l1_bytes_locked_by_requests"] = MemoryMeasure(
+                self.l1_objects_locked() * chunk, exact=True
+            )
+        return measures
 
     def unregister_twice(self, tokens: list[int]) -> SecondRelease:
         client = self._churn_client()

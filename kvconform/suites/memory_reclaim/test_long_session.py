@@ -4,8 +4,9 @@
 The oracle is one turn's KV: the tokens a turn adds to the context times the model's KV
 bytes per token (layers x 2 x kv_heads x head_dim x dtype bytes). Exact measures of the
 engine (its reclaim probe's exact byte measures: mapped shm, live tensor storage, per-process
-GPU memory) must grow by at most TURN_MULTIPLE turns' KV over the whole session and by at most
-half a turn's KV per turn, so a leak of one turn's KV per turn is caught. RSS cannot resolve
+GPU memory, the KV blocks or cache objects requests still hold) must grow by at most
+TURN_MULTIPLE turns' KV over the whole session and by at most half a turn's KV per turn, so a
+leak of one turn's KV per turn is caught. RSS cannot resolve
 one turn's KV (allocator noise is megabytes; one turn of the reference model is 64 KiB), so
 RSS keeps its noise bound (the KV pool plus 16 MiB) and catches only large growth; an engine
 without an exact measure is judged by RSS alone, and the check says so.
