@@ -465,7 +465,12 @@ class DynamoAdapter(
             )
         time.sleep(GAUGE_SETTLE_S)
         usage = read_metric(self, "kv_usage", self.metrics())
-        return round(usage * GPU_BLOCKS) * self.deployment.model.block_bytes(deployed_block_size(self))
+        blocks = round(usage * self.worker_pool_blocks())
+        return blocks * self.deployment.model.block_bytes(deployed_block_size(self))
+
+    def worker_pool_blocks(self) -> int:
+        """Blocks in one worker's KV pool: the mockers' --num-gpu-blocks-override."""
+        return GPU_BLOCKS
 
     def close(self) -> None:
         super().close()

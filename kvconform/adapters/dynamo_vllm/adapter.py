@@ -15,6 +15,7 @@ one worker a repeated prompt meets its own cache whatever the router decides.
 from __future__ import annotations
 
 import tempfile
+from typing import ClassVar
 
 from kvconform.adapters.dynamo.adapter import MODEL_NAME, DynamoAdapter
 from kvconform.contract import (
@@ -25,6 +26,7 @@ from kvconform.contract import (
     ModelShape,
     deployed_block_size,
 )
+from kvconform.errors import EngineError
 from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, TORCHVISION_STANDIN_DIR
 
 C = Capability
@@ -44,15 +46,41 @@ class DynamoVllmAdapter(DynamoAdapter):
             C.PREFIX_HIT_COUNTERS,
             C.ANSWERS_FROM_KV,  # nvext.completion_token_ids, greedy; the tiny model's seeded weights
             C.CACHE_SALT,  # nvext.cache_salt -> the prompt's cache_salt (handlers.py _apply_nvext_cache_salt)
-            # the frontend's and the worker's live request counts, the worker's vLLM KV usage
-            C.ABORT_REQUESTS,
             C.FORCED_EVICTION,  # the worker's 256-block pool, filled through the frontend
+            # the KV blocks requests hold in the worker, by vLLM's usage gauge x its pool blocks
+            C.HOST_MEMORY,
+            C.LONG_SESSION,
         }
+    )
+
+    # vllm:cache_config_info: the block size and pool the worker's vLLM resolved
+    worker_metric_families: ClassVar[tuple[str, ...]] = (
+        *DynamoAdapter.worker_metric_families,
+        "vllm:cache_config_info",
     )
 
     @staticmethod
     def worker_roles(config: EngineConfig) -> list[str | None]:
         return [None]
+
+    def worker_cache_config(self) -> dict[str, str]:
+        """The worker's vllm:cache_config_info labels (vllm/v1/metrics/loggers.py), on its
+        system port from its start."""
+        labels = self.metrics().labels_of("vllm:cache_config_info")
+        if not labels or not {"block_size", "num_gpu_blocks"} <= set(labels[0]):
+            raise EngineError(
+                self.name,
+                f"the worker's vllm:cache_config_info lacks block_size/num_gpu_blocks: {labels[:1]}",
+            )
+        return labels[0]
+
+    def resolved_block_size(self) -> int | None:
+        """The block size the worker's vLLM resolved (its platform hooks may override the one
+        asked for); judged against the request, never used as an oracle's block."""
+        return None if self.ctx.attached else int(self.worker_cache_config()["block_size"])
+
+    def worker_pool_blocks(self) -> int:
+        return int(self.worker_cache_config()["num_gpu_blocks"])
 
     def model_args(self) -> list[str]:
         model = self.deployment.model

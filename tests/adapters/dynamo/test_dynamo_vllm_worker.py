@@ -9,7 +9,9 @@ import pytest
 from kvconform.adapters.dynamo.adapter import DynamoAdapter
 from kvconform.adapters.dynamo_vllm.adapter import KV_CACHE_BYTES, DynamoVllmAdapter
 from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.errors import EngineError
 from kvconform.kit.drivers import TORCHVISION_STANDIN_DIR
+from kvconform.metrics import MetricSnapshot
 
 
 @pytest.fixture
@@ -55,3 +57,25 @@ def test_the_answer_is_read_from_nvext(engine: DynamoVllmAdapter) -> None:
     }
     served = engine.served_from_openai(data, list(range(40)))
     assert (served.prompt_tokens, served.cached_tokens, served.output) == (40, 32, [5, 6])
+
+
+def cache_config(**labels: str) -> MetricSnapshot:
+    snap = MetricSnapshot(taken_at=0.0)
+    snap.samples["vllm:cache_config_info"] = {frozenset({*labels.items(), ("mocker", "0")}): 1.0}
+    return snap
+
+
+def test_block_size_and_pool_are_the_workers_own(
+    engine: DynamoVllmAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "metrics", lambda: cache_config(block_size="128", num_gpu_blocks="64"))
+    assert engine.resolved_block_size() == 128
+    assert engine.worker_pool_blocks() == 64
+
+
+def test_a_worker_that_does_not_say_is_an_error(
+    engine: DynamoVllmAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine, "metrics", lambda: cache_config(block_size="32"))
+    with pytest.raises(EngineError, match="num_gpu_blocks"):
+        engine.worker_pool_blocks()
