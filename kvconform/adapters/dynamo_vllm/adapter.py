@@ -3,10 +3,11 @@ worker (vLLM 0.31.0 on CPU, ai-dynamo 1.6.1's vLLM pin) serving the tiny model w
 weights, so an answer depends on the KV it attends to.
 
 The `dynamo` configuration runs mockers: vLLM's scheduler and KV manager simulated, no model,
-synthetic tokens. What only a model can show is judged here: the answer served from Dynamo's
-cache against the answer computed without it, and whether a cache salt keeps two tenants apart
-on a backend that hashes it (the mocker keys blocks by tokens alone, docs/findings.md).
-Everything else of Dynamo 1.6.1 is judged on `dynamo` (inventory.toml says where).
+synthetic tokens. What only a real worker can show is judged here: the answer served from
+Dynamo's cache against the answer computed without it, whether a cache salt keeps two tenants
+apart on a backend that hashes it (the mocker keys blocks by tokens alone, docs/findings.md),
+eviction, and a long session on the worker's own block count. Everything else of Dynamo 1.6.1
+is judged on `dynamo` (inventory.toml says where; aborts say why not here).
 
 One worker: on a 2-core machine a second vLLM worker would only halve each one's CPU, and with
 one worker a repeated prompt meets its own cache whatever the router decides.
@@ -37,7 +38,7 @@ class DynamoVllmAdapter(DynamoAdapter):
     name = "dynamo-vllm"
     env_spec = "dynamo-vllm"
     worker_label = "vllm"
-    # vLLM's CPU attention takes block sizes that are multiples of 32 (16 is refused at start)
+    # vLLM 0.31.0 on CPU refuses block 16 at start (select_common_block_size, measured); 32 as on `vllm`
     deployment = Deployment(block_size=32, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     traits = EngineTraits(workers=1)
     capabilities = frozenset(
