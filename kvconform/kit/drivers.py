@@ -16,11 +16,14 @@ import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvconform import timing
 from kvconform.errors import DriverError, EngineStartError
 from kvconform.processes import EngineProcess, TeardownReport
+
+if TYPE_CHECKING:
+    from kvconform.contract import ModelShape
 
 # Modules a driver may import inside its engine's environment (jsonl_loop, make_tiny_model):
 # on the driver's PYTHONPATH, beside the folder of the driver script itself.
@@ -33,6 +36,16 @@ TORCHVISION_STANDIN_DIR = ENGINE_SIDE_DIR / "standins"
 # make_tiny_model.py's --weights: the tiny model served with seeded weights under which an
 # answer depends on the KV it attends to (the dummy format's answers do not).
 TINY_MODEL_WEIGHTS = ("--weights", "0")
+
+
+def tiny_model_args(shape: ModelShape) -> list[str]:
+    """make_tiny_model.py's arguments for a model of `shape` (as many query heads as KV heads)
+    with the seeded weights."""
+    return [
+        *("--layers", str(shape.layers), "--heads", str(shape.kv_heads)),
+        *("--kv-heads", str(shape.kv_heads), "--head-dim", str(shape.head_dim)),
+        *TINY_MODEL_WEIGHTS,
+    ]
 
 
 def engine_side_script(name: str) -> Path:

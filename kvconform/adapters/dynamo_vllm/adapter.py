@@ -28,7 +28,7 @@ from kvconform.contract import (
     deployed_block_size,
 )
 from kvconform.errors import EngineError
-from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, TORCHVISION_STANDIN_DIR
+from kvconform.kit.drivers import TORCHVISION_STANDIN_DIR, tiny_model_args
 
 C = Capability
 KV_CACHE_BYTES = 8 * 2**20  # 256 blocks of 32 tokens, as on `vllm`
@@ -84,18 +84,7 @@ class DynamoVllmAdapter(DynamoAdapter):
         return int(self.worker_cache_config()["num_gpu_blocks"])
 
     def model_args(self) -> list[str]:
-        model = self.deployment.model
-        return [
-            "--layers",
-            str(model.layers),
-            "--heads",
-            str(model.kv_heads),
-            "--kv-heads",
-            str(model.kv_heads),
-            "--head-dim",
-            str(model.head_dim),
-            *TINY_MODEL_WEIGHTS,
-        ]
+        return tiny_model_args(self.deployment.model)
 
     def worker_args(self, index: int, role: str | None, block: int, config: EngineConfig) -> list[str]:
         """`python -m dynamo.vllm` with vLLM's own engine arguments, as `vllm serve` takes them
@@ -130,4 +119,4 @@ class DynamoVllmAdapter(DynamoAdapter):
 
     def cache_capacity_tokens(self) -> int:
         block = deployed_block_size(self)
-        return KV_CACHE_BYTES // self.deployment.model.block_bytes(block) * block
+        return self.kv_pool_bytes() // self.deployment.model.block_bytes(block) * block

@@ -86,7 +86,7 @@ from kvconform.contract import (
     provides,
 )
 from kvconform.errors import EngineError, UsageError
-from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, TORCHVISION_STANDIN_DIR, engine_side_script
+from kvconform.kit.drivers import TORCHVISION_STANDIN_DIR, engine_side_script, tiny_model_args
 from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
@@ -306,15 +306,12 @@ class SglangServerAdapter(
         if self._model_dir is None:
             out = self.ctx.workdir / "model"
             if not (out / "config.json").exists():
-                m = self.deployment.model
                 subprocess.run(
                     [
                         str(self.env().python),
                         str(engine_side_script("make_tiny_model.py")),
                         str(out),
-                        *("--layers", str(m.layers), "--heads", str(m.kv_heads)),
-                        *("--kv-heads", str(m.kv_heads), "--head-dim", str(m.head_dim)),
-                        *TINY_MODEL_WEIGHTS,
+                        *tiny_model_args(self.deployment.model),
                     ],
                     check=True,
                     capture_output=True,

@@ -42,7 +42,7 @@ from kvconform.contract import (
 )
 from kvconform.contract.types import LaunchProfile
 from kvconform.errors import EngineError, UsageError
-from kvconform.kit.drivers import TINY_MODEL_WEIGHTS, DriverProcess, engine_side_script, live_driver
+from kvconform.kit.drivers import DriverProcess, engine_side_script, live_driver, tiny_model_args
 from kvconform.kit.engine_env import EngineEnv
 from kvconform.kit.event_feed import ZmqEventFeed
 from kvconform.kit.http_api import HttpApi
@@ -277,15 +277,7 @@ class VllmAdapter(
                         str(self.env().python),
                         str(engine_side_script("make_tiny_model.py")),
                         str(out),
-                        "--layers",
-                        str(self.deployment.model.layers),
-                        "--heads",
-                        str(self.deployment.model.kv_heads),
-                        "--kv-heads",
-                        str(self.deployment.model.kv_heads),
-                        "--head-dim",
-                        str(self.deployment.model.head_dim),
-                        *TINY_MODEL_WEIGHTS,
+                        *tiny_model_args(self.deployment.model),
                     ],
                     check=True,
                     capture_output=True,
