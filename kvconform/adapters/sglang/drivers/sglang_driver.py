@@ -45,19 +45,17 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 warnings.filterwarnings("ignore")
 
+import jsonl_loop  # noqa: E402  (engine_side/, on the driver's PYTHONPATH)
+from jsonl_loop import serve  # noqa: E402
+
 # sglang.srt.configs imports image-preprocessing helpers that import torchvision at module
 # level; PyPI torchvision cannot sit beside the CPU torch. Our stand-in (engine_side/standins,
-# beside jsonl_loop on the driver's PYTHONPATH) goes at the END of sys.path and only when no
-# torchvision is installed. See its docstring.
-_STUBS = next(
-    (os.path.join(p, "standins") for p in sys.path if os.path.isfile(os.path.join(p, "jsonl_loop.py"))),
-    os.path.join(_HERE, "standins"),
-)
+# beside jsonl_loop) goes at the END of sys.path and only when no torchvision is installed.
+# See its docstring.
+_STUBS = os.path.join(os.path.dirname(jsonl_loop.__file__), "standins")
 TORCHVISION_STANDIN = importlib.util.find_spec("torchvision") is None
 if TORCHVISION_STANDIN and _STUBS not in sys.path:
     sys.path.append(_STUBS)
-
-from jsonl_loop import serve  # noqa: E402
 
 _t_import = time.perf_counter()
 from array import array  # noqa: E402
