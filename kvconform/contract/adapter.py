@@ -2,8 +2,9 @@
 
 Suites never name an engine. They mark each check with the capabilities it needs
 (`@pytest.mark.requires(Capability.X)`); an engine lacking one is skipped with
-"engine E lacks capability X". The core below is what every check uses: start, stop, ensure,
-health, pids, the block size, metrics, logs, serve_prompt. Every feature beyond it is a typed
+"engine E lacks capability X". The core below is what every check uses: start, stop, health,
+pids, the block size, metrics, logs, serve_prompt; `ensure(engine, config)` relaunches it
+between checks where needed (the policy lives in the contract, not in each adapter). Every feature beyond it is a typed
 facet (kvconform.contract.facets) that `facet(engine, Kind)` returns: the adapter itself where it
 inherits the facet, or what its method marked @provides(Facet) makes. Declaring a capability
 is a promise that what it needs (kvconform.contract.requirements) is there: registration
@@ -82,6 +83,9 @@ class EngineAdapter(ABC):
         # next ensure() makes sure the engine still answers before a check relies on it.
         self._suspect: str | None = None
         self._lost: str | None = None  # attach mode: the engine went away; the rest is skipped
+        # Why the running engine must not serve the next check although it is up (a check left
+        # it changed, e.g. one worker short): the next ensure() relaunches it and says why.
+        self.stale: str | None = None
         self.relaunch_notes: list[str] = []  # what happened to the engine during the check
 
     # ---- identity -----------------------------------------------------------------------
@@ -110,35 +114,6 @@ class EngineAdapter(ABC):
         return None
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        """Have the engine running in `config` (default config if None); restart if needed.
-
-        Launch mode: an engine of the same config that died, or stopped answering after a
-        request timed out, is stopped (teardown audited) and relaunched; the check's record
-        says so (`take_notes`). Attach mode: an engine that went away cannot be relaunched, so
-        this and every later check is skipped with the reason."""
-        config = config or EngineConfig()
-        if config.block_size == self.deployment.block_size:
-            config = config.with_(block_size=None)  # the same server as the default config
-        if self.ctx.attached:
-            ensure_attached(self, config)
-            return
-        lost = None
-        if self.config == config:
-            if self.running() and (self._suspect is None or self.healthy()):
-                self._suspect = None
-                return
-            lost = "its process died" if not self.running() else f"it stopped answering ({self._suspect})"
-        reports = timed_stop(self) if self.config is not None else []
-        self._suspect = None
-        timed_start(self, config)
-        self.config = config
-        if lost is not None:
-            teardown = "; ".join(r.describe() for r in reports) or "nothing to tear down"
-            self.relaunch_notes.append(
-                f"engine {self.name} relaunched before this check: {lost}; teardown: {teardown}"
-            )
-
     def start(self, config: EngineConfig) -> None:
         raise NotImplementedError
 
@@ -211,6 +186,40 @@ def supported(adapter: EngineAdapter) -> frozenset[Capability]:
     cannot offer (its unsupported())."""
     gaps = adapter.unsupported()
     return frozenset(c for c in adapter.capabilities if c not in gaps)
+
+
+def ensure(adapter: EngineAdapter, config: EngineConfig | None = None) -> None:
+    """Have the engine running in `config` (default config if None); relaunch it if needed.
+
+    Launch mode: an engine of the same config that died, stopped answering after a request
+    timed out, or was left changed by a check (`adapter.stale`) is stopped (teardown audited)
+    and relaunched; the check's record says so (take_relaunch_notes). Another config stops
+    the running one first. Attach mode: an engine that went away cannot be relaunched, so
+    this and every later check is skipped with the reason."""
+    config = config or EngineConfig()
+    if config.block_size == adapter.deployment.block_size:
+        config = config.with_(block_size=None)  # the same server as the default config
+    if adapter.ctx.attached:
+        ensure_attached(adapter, config)
+        return
+    lost = None
+    if adapter.config == config:
+        alive = adapter.running()
+        if adapter.stale is None and alive and (adapter._suspect is None or adapter.healthy()):
+            adapter._suspect = None
+            return
+        lost = adapter.stale or (
+            "its process died" if not alive else f"it stopped answering ({adapter._suspect})"
+        )
+    reports = timed_stop(adapter) if adapter.config is not None else []
+    adapter._suspect = adapter.stale = None
+    timed_start(adapter, config)
+    adapter.config = config
+    if lost is not None:
+        teardown = "; ".join(r.describe() for r in reports) or "nothing to tear down"
+        adapter.relaunch_notes.append(
+            f"engine {adapter.name} relaunched before this check: {lost}; teardown: {teardown}"
+        )
 
 
 def restart(adapter: EngineAdapter) -> list[TeardownReport]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvconform.contract import EngineConfig, InstanceChurn
+from kvconform.contract import EngineConfig, InstanceChurn, ensure
 from kvconform.kit.leftover_tally import LeftoverTally
 from kvconform.memory import MemoryMeasure
 from kvconform.processes import TeardownReport
@@ -33,7 +33,7 @@ class RestartChurn(InstanceChurn):
     def cycle(self, path: str, index: int, tokens: list[int]) -> None:
         if path != RESTART:
             raise NotImplementedError(f"engine {self.engine.name} has no release path {path!r}")
-        self.engine.ensure(self.engine.config or EngineConfig())
+        ensure(self.engine, self.engine.config or EngineConfig())
         for shift in range(3):
             self.engine.serve_prompt(tokens[: len(tokens) - shift])
         self.count(self.engine.stop())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvconform.contract import AdapterContext, EngineAdapter, EngineConfig
+from kvconform.contract import AdapterContext, EngineAdapter, EngineConfig, ensure
 from kvconform.errors import EngineError
 from kvconform.kit.http_api import HttpApi
 
@@ -62,20 +62,20 @@ def server() -> Iterator[str]:
 
 def test_a_server_error_makes_the_next_ensure_ask_health(tmp_path: Path, server: str) -> None:
     engine = Served(AdapterContext(workdir=tmp_path), server)
-    engine.ensure()
+    ensure(engine)
     with pytest.raises(EngineError, match="HTTP 500"):
         engine.post_json("/v1/completions", {})
     Answers.status["/health"] = 503  # the engine died behind its API server
-    engine.ensure()
+    ensure(engine)
     assert engine.starts == 2
     assert "stopped answering (POST /v1/completions -> HTTP 500)" in engine.relaunch_notes[0]
 
 
 def test_a_client_error_leaves_the_engine_trusted(tmp_path: Path, server: str) -> None:
     engine = Served(AdapterContext(workdir=tmp_path), server)
-    engine.ensure()
+    ensure(engine)
     with pytest.raises(EngineError, match="HTTP 404"):
         engine.get_json("/no/such/path")
     Answers.status["/health"] = 503  # not asked: a 404 says nothing about the engine's health
-    engine.ensure()
+    ensure(engine)
     assert engine.starts == 1 and not engine.relaunch_notes

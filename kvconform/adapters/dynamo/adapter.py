@@ -42,12 +42,12 @@ from kvconform.contract import (
     ServedPrompt,
     TraceReplay,
     deployed_block_size,
+    ensure,
     log_tail,
     poll_until,
     provides,
     read_metric,
 )
-from kvconform.contract.adapter import timed_stop
 from kvconform.errors import EngineError, EngineStartError
 from kvconform.events import StreamedLedger
 from kvconform.kit.drivers import DriverProcess, engine_side_script, live_driver
@@ -156,7 +156,6 @@ class DynamoAdapter(
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.churn = DynamoChurn(self)
-        self.worker_released = False  # a check stopped one mocker: the next ensure relaunches all
         self.frontend: LaunchedServer | None = None
         self.mockers: list[LaunchedServer] = []
         self.driver: DriverProcess | None = None
@@ -210,12 +209,6 @@ class DynamoAdapter(
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
-
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        if self.worker_released:  # the stack a check left one worker short is relaunched in full
-            self.worker_released = False
-            timed_stop(self)
-        super().ensure(config)
 
     def start(self, config: EngineConfig) -> None:
         if config.persistent:
@@ -382,7 +375,7 @@ class DynamoAdapter(
         stack stays one worker short until the next check's ensure relaunches it."""
         before = self.routable_workers()
         mocker = self.mockers.pop()
-        self.worker_released = True
+        self.stale = "a check stopped one of its workers (the stack is relaunched in full)"
         report = mocker.stop()
         after = before
         deadline = time.monotonic() + RELEASE_SETTLE_S
@@ -701,7 +694,7 @@ class DynamoChurn(RestartChurn):
         self.stack = engine
 
     def second_release(self, path: str, tokens: list[int]) -> SecondRelease:
-        self.stack.ensure(self.stack.config or EngineConfig())
+        ensure(self.stack, self.stack.config or EngineConfig())
         self.stack.serve_prompt(tokens)
         return self.stack.release_worker_twice()
 

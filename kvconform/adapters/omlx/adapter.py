@@ -65,6 +65,7 @@ from kvconform.contract import (
     ReleaseTwice,
     SecondRelease,
     ServedPrompt,
+    ensure,
     log_tail,
     provides,
 )
@@ -662,7 +663,7 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         return OmlxChurn(self)
 
     def unload_cycle(self, tokens: list[int]) -> None:
-        self.ensure(self.config or EngineConfig())
+        ensure(self, self.config or EngineConfig())
         unloaded = self._load_serve_unload(tokens)
         if unloaded.status_code != 200:
             raise EngineError(self.name, f"unload -> HTTP {unloaded.status_code}: {unloaded.text[:200]}")

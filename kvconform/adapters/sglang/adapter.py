@@ -112,15 +112,9 @@ class SglangAdapter(EngineEnv, EngineAdapter, KvPool, SaltedPrompts, KvEvents, C
         super().preflight()
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        config = config or EngineConfig()
+    def start(self, config: EngineConfig) -> None:
         if config.offload or config.persistent:
             raise NotImplementedError("SGLang in-process has no offload or persistent tier wired here")
-        if self.config == config and self.running():
-            return
-        self.start(config)
-
-    def start(self, config: EngineConfig) -> None:
         self.driver = live_driver(
             self.driver,
             lambda: DriverProcess(

@@ -227,15 +227,11 @@ class SglangServerAdapter(
         return bool(self.spec_data().get("cpu_engine", False))
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        config = config or EngineConfig()
-        if config.offload or config.persistent:
-            raise NotImplementedError("SGLang server mode has no offload or persistent tier wired here")
-        super().ensure(config)
-
     def start(self, config: EngineConfig) -> None:
         if self.ctx.attached:
             raise EngineError(self.name, "attached: the suite does not start the server")
+        if config.offload or config.persistent:
+            raise NotImplementedError("SGLang server mode has no offload or persistent tier wired here")
         port = free_port()
         events, replay = self.open_event_subscriber()
         self._server_info = None

@@ -42,6 +42,7 @@ from kvconform.contract import (
     ServedPrompt,
     TransferResult,
     deployed_block_size,
+    ensure,
     log_tail,
     provides,
 )
@@ -229,7 +230,7 @@ class NixlPull(KvTransfer):
             raise NotImplementedError(
                 f"{self.pair.name} transfers whole blocks of {deployed_block_size(self.pair)} tokens"
             )
-        self.pair.ensure(EngineConfig(disaggregated=True, kv_transfer=True))
+        ensure(self.pair, EngineConfig(disaggregated=True, kv_transfer=True))
         before = self.pair._decode_scrape(*NIXL_READ)
         prefill, params, decode = self.pair._pull_through_pair(tokens, 1)
         after = self.pair._decode_scrape(*NIXL_READ)

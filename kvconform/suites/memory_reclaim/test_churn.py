@@ -29,6 +29,7 @@ from kvconform.contract import (
     InstanceChurn,
     ReclaimProbe,
     deployed_block_size,
+    ensure,
     facet,
 )
 from kvconform.memory import MemoryMeasure
@@ -80,7 +81,7 @@ def test_churn_returns_to_baseline(
     churn = facet(engine, InstanceChurn)
     if path not in churn.paths:
         pytest.skip(f"engine {engine.name} has no release path {path!r} (has {', '.join(churn.paths)})")
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     cycles = churn.cycles(path, request.config.getoption("--churn-cycles"))
     bounds = bounds_for(request.config, engine)
     block = deployed_block_size(engine)
@@ -159,7 +160,7 @@ def test_churn_returns_to_baseline(
 @pytest.mark.requires(C.INSTANCE_REGISTRY)
 def test_second_release_is_harmless(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     """Releasing an instance twice must be refused cleanly, and the engine stay healthy."""
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     churn = facet(engine, InstanceChurn)
     result = churn.second_release(churn.paths[0], prompts.fresh(4 * deployed_block_size(engine)))
     verdict.record("answers", result.detail)

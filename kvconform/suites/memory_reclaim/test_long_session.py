@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, ReclaimProbe, facet
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, ReclaimProbe, ensure, facet
 from kvconform.memory import sample_processes
 from kvconform.oracles import theil_sen
 from kvconform.prompts import PromptFactory
@@ -78,7 +78,7 @@ def converse(engine: EngineAdapter, prompts: PromptFactory, turns: int) -> Conve
 def test_long_session_bounded(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, request: pytest.FixtureRequest
 ) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     turns = request.config.getoption("--session-turns")
     first = converse(engine, prompts, turns)
     judged = converse(engine, prompts, turns)

@@ -22,6 +22,7 @@ from kvconform.contract import (
     OffloadTier,
     ServedPrompt,
     deployed_block_size,
+    ensure,
     facet,
     supported,
 )
@@ -79,7 +80,7 @@ def drop_from_device(engine: EngineAdapter, prompts: PromptFactory) -> None:
 
 @pytest.fixture(scope="module")
 def offload_run(engine: EngineAdapter) -> Iterator[OffloadRun]:
-    engine.ensure(EngineConfig(offload=True))
+    ensure(engine, EngineConfig(offload=True))
     prompts = PromptFactory(f"offload-{engine.name}-{time.time_ns()}")
     before = engine.metrics()
     with GaugeSampler(engine) as sampler:

@@ -22,6 +22,7 @@ from kvconform.contract import (
     EngineConfig,
     OffloadTier,
     deployed_block_size,
+    ensure,
     facet,
 )
 from kvconform.contract import Capability as C
@@ -41,7 +42,7 @@ pytestmark = [
 def test_store_threshold_counts_offers(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has: Callable[[C], bool]
 ) -> None:
-    engine.ensure(EngineConfig(offload=True, offload_store_threshold=THRESHOLD))
+    ensure(engine, EngineConfig(offload=True, offload_store_threshold=THRESHOLD))
     block = deployed_block_size(engine)
     once = prompts.fresh(8 * block + 5)
     hot = prompts.fresh(8 * block + 5)

@@ -20,6 +20,7 @@ from kvconform.contract import (
     EngineConfig,
     OffloadTier,
     deployed_block_size,
+    ensure,
     facet,
     metric_delta,
     supported,
@@ -200,7 +201,7 @@ def test_offloaded_prefix_returns_as_host_hit(
 def test_failed_store_releases_pending_write(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.ensure(EngineConfig(offload=True))
+    ensure(engine, EngineConfig(offload=True))
     before = engine.metrics()
     facet(engine, OffloadTier).fail_stores(True)
     try:

@@ -22,7 +22,15 @@ import time
 
 import pytest
 
-from kvconform.contract import BlockPoolStats, EngineAdapter, EngineConfig, KvPool, deployed_block_size, facet
+from kvconform.contract import (
+    BlockPoolStats,
+    EngineAdapter,
+    EngineConfig,
+    KvPool,
+    deployed_block_size,
+    ensure,
+    facet,
+)
 from kvconform.contract import Capability as C
 from kvconform.oracles import pages
 from kvconform.prompts import PromptFactory
@@ -65,7 +73,7 @@ def _describe(stats: BlockPoolStats) -> str:
 
 
 def test_block_pool_stats_consistent(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     block = deployed_block_size(engine)  # what the suite asked for (the adapter's default config)
     # One unrelated request first, so cumulative counters have a baseline iteration of this
     # run (an engine's own warm-up may already be counted in them).

@@ -22,6 +22,7 @@ from kvconform.contract import (
     RemoteStore,
     ServedPrompt,
     deployed_block_size,
+    ensure,
     facet,
     metric_delta,
     read_metric,
@@ -54,7 +55,7 @@ def stored_bytes(engine: EngineAdapter) -> int:
 
 def test_remote_tier_bytes_reconcile(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
     facet(engine, RemoteStore).wipe()
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     block = deployed_block_size(engine)
     chunk_bytes = facet(engine, PersistentTier).block_bytes()
     chunks = 8
@@ -117,7 +118,7 @@ def test_remote_tier_eviction_within_capacity(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
     facet(engine, RemoteStore).wipe()
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     block = deployed_block_size(engine)
     chunk_bytes = facet(engine, PersistentTier).block_bytes()
     capacity = facet(engine, RemoteStore).capacity_bytes()
@@ -154,7 +155,7 @@ def test_remote_tier_eviction_within_capacity(
 
 
 def test_remote_server_loss(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict) -> None:
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     block = deployed_block_size(engine)
     stored = prompts.fresh(4 * block + 1)
     cold = engine.serve_prompt(stored)
@@ -243,7 +244,7 @@ def test_remote_store_counters_track_pending_writes(
     a while: an engine spreads its stores over several connections, and a fault that breaks only
     the connections a refusal reached shows on all of them only once each has been refused."""
     facet(engine, RemoteStore).wipe()
-    engine.ensure(PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
+    ensure(engine, PERSISTENT)  # a fresh engine: its L1 holds only what this check stores
     block = deployed_block_size(engine)
     chunk_bytes = facet(engine, PersistentTier).block_bytes()
     chunks = 8

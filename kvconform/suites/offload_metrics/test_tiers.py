@@ -21,6 +21,7 @@ from kvconform.contract import (
     KvPool,
     PersistentTier,
     deployed_block_size,
+    ensure,
     facet,
     metric_delta,
     read_metric,
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.requires(C.TIERED_STORE_METRICS), pytest.mark.engine_c
 def test_tiered_store_metrics_consistent(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.ensure(EngineConfig(persistent=True))
+    ensure(engine, EngineConfig(persistent=True))
     names = engine.metric_map
     judged = [name for name in L2_ACCOUNTING if name in names]
     if not judged:

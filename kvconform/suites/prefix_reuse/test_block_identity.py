@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, deployed_block_size, restart
+from kvconform.contract import EngineAdapter, EngineConfig, deployed_block_size, ensure, restart
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.announced import stored_while
@@ -28,7 +28,7 @@ def _stored_by_prompt(engine: EngineAdapter, prompt: list[int]) -> set[str]:
 def test_block_hashes_stable_across_restart(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     block = deployed_block_size(engine)
     prompt = prompts.fresh(4 * block + block // 2)
     whole_blocks = len(prompt) // block

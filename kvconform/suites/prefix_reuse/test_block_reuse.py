@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, facet
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, ensure, facet
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.requires(C.PREFIX_CACHE)
 @pytest.fixture
 def cache(engine: EngineAdapter, has) -> EngineAdapter:
     """The engine at its default block size, prefix cache emptied when it can be."""
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     if has(C.RESET_PREFIX_CACHE):
         facet(engine, CacheReset).reset_prefix_cache()
     return engine
@@ -128,7 +128,7 @@ def test_partial_block_prefix_hits_match_oracle(
             f"engine {engine.name} lacks capability block_size_config "
             f"(runs at block size {engine.deployment.block_size})"
         )
-    engine.ensure(EngineConfig(block_size=block_size))
+    ensure(engine, EngineConfig(block_size=block_size))
     if has(C.RESET_PREFIX_CACHE):
         facet(engine, CacheReset).reset_prefix_cache()
     shared = 3 * block_size + block_size // 2 + 1

@@ -24,6 +24,7 @@ from kvconform.contract import (
     SaltedPrompts,
     ServedPrompt,
     deployed_block_size,
+    ensure,
     facet,
 )
 from kvconform.oracles import prefix_hit_tokens
@@ -46,7 +47,7 @@ def _served_and_stored(
 def test_cache_salt_isolates_prefix_and_event_hashes(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has: Callable[[C], bool]
 ) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     events = has(C.KV_EVENTS)
     block = deployed_block_size(engine)
     prompt = prompts.fresh(4 * block + block // 2)

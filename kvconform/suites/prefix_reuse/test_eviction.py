@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvPool, deployed_block_size, facet
+from kvconform.contract import EngineAdapter, EngineConfig, KvPool, deployed_block_size, ensure, facet
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
 from kvconform.suites.prefix_reuse.counters import queried_tokens, wait_counted
@@ -44,7 +44,7 @@ def fill_cache(engine: EngineAdapter, prompts: PromptFactory, factor: float = 2.
 def test_evicted_prefix_not_reported_as_hit(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     block = deployed_block_size(engine)
     target = prompts.fresh(8 * block)
     cold = engine.serve_prompt(target)

@@ -17,6 +17,7 @@ from kvconform.contract import (
     EngineConfig,
     PersistentTier,
     deployed_block_size,
+    ensure,
     facet,
     restart,
 )
@@ -34,7 +35,7 @@ PERSISTENT = EngineConfig(persistent=True)
 
 
 def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has) -> None:
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     block = deployed_block_size(engine)
     prompt = prompts.fresh(8 * block + block // 3)
     cold = engine.serve_prompt(prompt, answer_tokens(has))
@@ -66,7 +67,7 @@ def test_hits_survive_restart(engine: EngineAdapter, prompts: PromptFactory, ver
 def test_corrupt_persisted_entry_recomputed(
     engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     block = deployed_block_size(engine)
     before = set(facet(engine, PersistentTier).files())
     prompt = prompts.fresh(6 * block + 1)
@@ -85,7 +86,7 @@ def test_corrupt_persisted_entry_recomputed(
             # prompt (oMLX, 2026-12-03: 1536 damaged tokens served and the same 8 tokens once).
             middle = len(data) // 2
             path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:]))
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     warm = engine.serve_prompt(prompt, answer_tokens(has))
     verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
     verdict.equal("output_identical_to_cold_run", int(warm.output == cold.output), 1)

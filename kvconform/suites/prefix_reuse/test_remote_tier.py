@@ -20,6 +20,7 @@ from kvconform.contract import (
     PersistentTier,
     RemoteStore,
     deployed_block_size,
+    ensure,
     facet,
     restart,
 )
@@ -46,7 +47,7 @@ def damaged(data: bytes, damage: str) -> bytes:
 def test_remote_damaged_entry_recomputed(
     engine: EngineAdapter, damage: str, prompts: PromptFactory, verdict: Verdict
 ) -> None:
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     block = deployed_block_size(engine)
     intact = prompts.fresh(4 * block + 1)
     intact_cold = engine.serve_prompt(intact)
@@ -62,7 +63,7 @@ def test_remote_damaged_entry_recomputed(
     )
     for key in targets:
         facet(engine, RemoteStore).write(key, damaged(facet(engine, RemoteStore).read(key), damage))
-    engine.ensure(PERSISTENT)
+    ensure(engine, PERSISTENT)
     warm = engine.serve_prompt(prompt)
     verdict.equal("cached_tokens_from_damaged_entries", warm.cached_tokens, 0, "tokens")
     verdict.equal("output_identical_to_cold_run", int(warm.output == cold.output), 1)

@@ -28,6 +28,7 @@ from kvconform.contract import (
     KvEvents,
     KvRouter,
     deployed_block_size,
+    ensure,
     facet,
     poll_until,
     read_metric,
@@ -55,7 +56,7 @@ def longest_shared(served_before: list[list[int]], tokens: list[int]) -> int:
 def test_router_prediction_matches_worker(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     # Where the suite hears the workers' KV events itself, they are what the router must apply.
     events = has(C.KV_EVENTS)
     if events:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, ServedPrompt, facet
+from kvconform.contract import CacheReset, EngineAdapter, EngineConfig, ServedPrompt, ensure, facet
 from kvconform.contract import Capability as C
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
@@ -34,7 +34,7 @@ def test_block_size_sweep(
     # Each hit's answer against the same prompt computed after a reset.
     pairs: list[tuple[ServedPrompt, ServedPrompt]] = []
     for block in BLOCK_SIZES:
-        engine.ensure(EngineConfig(block_size=block))
+        ensure(engine, EngineConfig(block_size=block))
         curve = []
         for fraction in SHARED_FRACTIONS:
             facet(engine, CacheReset).reset_prefix_cache()

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer, facet
+from kvconform.contract import EngineAdapter, EngineConfig, KvTransfer, ensure, facet
 from kvconform.oracles import KvLayout, page_indices, transfer_bytes
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -46,7 +46,7 @@ def test_transfer_bytes_reconcile(
     verdict: Verdict,
 ) -> None:
     transfer = _transfer(engine, layout, page_size, destinations)
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     tokens = prompts.fresh(3 * 16 + 5)
     result = transfer.transfer(tokens, layout, page_size, destinations)
     kv_layout = KvLayout(layout)
@@ -89,7 +89,7 @@ def test_page_indices_match_oracle(
 ) -> None:
     """Page indices = the pages the request's KV slots touch, in order (SGLang #31173)."""
     transfer = _transfer(engine, None, page_size)
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     # Another request's KV first, so this one's does not start at the pool's first page: there
     # the request's own page numbers and the pool's coincide (SGLang #31471 sent the first for
     # the second).

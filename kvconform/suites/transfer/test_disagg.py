@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 
 from kvconform.contract import Capability as C
-from kvconform.contract import DisaggregatedServing, EngineAdapter, EngineConfig, deployed_block_size, facet
+from kvconform.contract import (
+    DisaggregatedServing,
+    EngineAdapter,
+    EngineConfig,
+    deployed_block_size,
+    ensure,
+    facet,
+)
 from kvconform.oracles import prefix_hit_tokens
 from kvconform.prompts import PromptFactory
 from kvconform.results import Verdict
@@ -24,7 +31,7 @@ pytestmark = [pytest.mark.requires(C.DISAGG_SERVING), pytest.mark.engine_config(
 def test_disaggregated_serving_reports_prefix_reuse(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    engine.ensure(EngineConfig(disaggregated=True))
+    ensure(engine, EngineConfig(disaggregated=True))
     block = deployed_block_size(engine)
     # Another prompt of the same shape first: a block key that does not cover the block's tokens
     # (colliding hashes, GHSA-rm76-4mrf-v9r8's class) serves its KV to the fresh prompt.

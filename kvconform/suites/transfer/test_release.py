@@ -24,6 +24,7 @@ from kvconform.contract import (
     ReleaseGuard,
     StreamAborts,
     deployed_block_size,
+    ensure,
     facet,
     metric_delta,
     read_metric,
@@ -150,7 +151,7 @@ def compare_resident(
 def test_event_ledger_consistent(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has
 ) -> None:
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     mark = ledger_mark(engine)
     block = deployed_block_size(engine)
     system = prompts.fresh(5 * block + 2)
@@ -199,7 +200,7 @@ def compare_evicted(engine: EngineAdapter, verdict: Verdict, fill_mark: int, bef
 def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict, has) -> None:
     """Cut streams are aborted and release their KV; what judges it is what the engine has:
     its live request count, its KV usage gauge, its KV events (each part where it exists)."""
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     events = has(C.KV_EVENTS)
     mark = ledger_mark(engine) if events else 0
     block = deployed_block_size(engine)
@@ -308,7 +309,7 @@ def test_release_guard_holds(engine: EngineAdapter, prompts: PromptFactory, verd
     """Drive the engine's own release path twice for one request: the first release returns
     every slot the request held; the second is refused or ignored, never an assertion (which
     ends a production scheduler, and is stripped under python -O), and frees nothing more."""
-    engine.ensure(EngineConfig())
+    ensure(engine, EngineConfig())
     block = deployed_block_size(engine)
     tokens = prompts.fresh(3 * block + 2)
     guard = facet(engine, ReleaseGuard)

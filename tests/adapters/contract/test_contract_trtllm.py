@@ -26,6 +26,7 @@ from kvconform.contract import (
     AdapterContext,
     EngineConfig,
     deployed_block_size,
+    ensure,
     metric_delta,
     read_metric,
     supported,
@@ -128,7 +129,7 @@ def test_options_file_keeps_perf_metrics(tmp_path: Path) -> None:
 
 
 def test_block_pool_stats_read_from_drained_metrics(trtllm: TrtllmAdapter, fake_trtllm) -> None:
-    trtllm.ensure()
+    ensure(trtllm)
     prompt = list(range(10, 50))
     trtllm.serve_prompt(prompt)
     trtllm.serve_prompt(prompt)
@@ -152,7 +153,7 @@ def test_block_pool_stats_read_from_drained_metrics(trtllm: TrtllmAdapter, fake_
 def test_concurrent_drain_loses_and_doubles_nothing(fake_trtllm, tmp_path: Path) -> None:
     adapter = TrtllmAdapter(AdapterContext(workdir=tmp_path, url=fake_trtllm.url))
     adapter.poll_interval_s = 0.005  # the background reader races the suite's own reads
-    adapter.ensure()
+    ensure(adapter)
     stop = threading.Event()
     seen_lengths: list[int] = []
 
@@ -207,7 +208,7 @@ def test_iteration_gap_is_recorded(tmp_path: Path, release: str) -> None:
 
 
 def test_kv_events_drained_into_ledger(trtllm: TrtllmAdapter, fake_trtllm) -> None:
-    trtllm.ensure()
+    ensure(trtllm)
     trtllm.serve_prompt(list(range(10, 50)))  # 5 full blocks stored
     trtllm.serve_prompt(list(range(10, 58)))  # 1 more
     assert trtllm.drain_events() == 0

@@ -15,7 +15,7 @@ import pytest
 from kvconform import envs
 from kvconform.adapters.lmcache import redis_server
 from kvconform.adapters.lmcache.redis_server import RedisServer, RespClient, RespError
-from kvconform.contract import AdapterContext, EngineConfig, restart
+from kvconform.contract import AdapterContext, EngineConfig, ensure, restart
 from kvconform.errors import UsageError
 
 pytestmark = pytest.mark.engine_env  # parses/runs in built engine environments (tests/system/engine_envs.py)
@@ -68,7 +68,7 @@ def test_lmcache_resp_tier_survives_restart_and_stops_clean(tmp_path: Path) -> N
     adapter = LmcacheRedisAdapter(AdapterContext(workdir=tmp_path, start_timeout_s=120))
     prompt = list(range(5000, 5000 + 2 * 256 + 7))
     try:
-        adapter.ensure(EngineConfig(persistent=True))
+        ensure(adapter, EngineConfig(persistent=True))
         assert adapter.serve_prompt(prompt).cached_tokens == 0
         adapter.persistent_tier().flush()
         entries = adapter.remote_tier().entries()

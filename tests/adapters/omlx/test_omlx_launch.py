@@ -21,7 +21,7 @@ import psutil
 
 from kvconform import envs
 from kvconform.adapters.omlx.adapter import BLOCK_SIZE, OmlxAdapter
-from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import AdapterContext, EngineConfig, ensure
 from tests.system.engine_envs import skip_unless_built
 
 pytestmark = skip_unless_built("omlx")
@@ -39,7 +39,7 @@ def test_launch_serve_and_teardown_keep_to_the_work_dir(tmp_path: Path, monkeypa
     key = adapter.api_key
     assert adapter.version.startswith("flyto-mlx ")
     try:
-        adapter.ensure(EngineConfig())
+        ensure(adapter, EngineConfig())
         pids = adapter.engine_pids()
         aligned = list(range(100, 100 + 2 * BLOCK_SIZE))
         first = adapter.serve_prompt(aligned)

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from kvconform.adapters.sglang_server.adapter import SglangServerAdapter
-from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import AdapterContext, EngineConfig, ensure
 from kvconform.processes import SHM_DIR
 from tests.system.engine_envs import skip_unless_built
 
@@ -24,7 +24,7 @@ pytestmark = skip_unless_built("sglang-server")
 def test_launch_serve_and_teardown_leave_nothing(tmp_path: Path) -> None:
     adapter = SglangServerAdapter(AdapterContext(workdir=tmp_path, start_timeout_s=300))
     try:
-        adapter.ensure(EngineConfig())
+        ensure(adapter, EngineConfig())
         pids = adapter.engine_pids()
         tmpdir = adapter._tmpdir
         assert tmpdir is not None and tmpdir.is_dir()

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from kvconform.adapters.vllm_lmcache.adapter import VllmLmcacheAdapter
-from kvconform.contract import AdapterContext, EngineConfig
+from kvconform.contract import AdapterContext, EngineConfig, ensure
 from tests.system.engine_envs import skip_unless_built
 
 pytestmark = skip_unless_built("vllm-lmcache", "lmcache")
@@ -28,7 +28,7 @@ pytestmark = skip_unless_built("vllm-lmcache", "lmcache")
 def test_a_vllm_killed_before_unregistering_reads_as_registered(tmp_path: Path) -> None:
     adapter = VllmLmcacheAdapter(AdapterContext(workdir=tmp_path / "work", start_timeout_s=300))
     try:
-        adapter.ensure(EngineConfig())
+        ensure(adapter, EngineConfig())
         assert adapter.reclaim_probe()["server_registered_instances"].value == 1  # vLLM serving
         assert adapter.server is not None
         pids = adapter.server.pids()

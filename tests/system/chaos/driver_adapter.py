@@ -1,6 +1,6 @@
 """A reference-engine adapter whose serving path also goes through a JSON-lines driver (one of
 tests/fixtures/drivers), for the driver rows of the chaos table: the driver dies mid-request
-or writes garbage on its pipe on the Nth prompt of a check (KVCONFORM_CHAOS_DRIVER=crash|
+or writes garbage on its pipe on the Nth prompt after a start (KVCONFORM_CHAOS_DRIVER=crash|
 garbage, KVCONFORM_CHAOS_AT=N). Registered with
 --adapter chaos-driver=tests.system.chaos.driver_adapter:ChaosDriverAdapter."""
 
@@ -28,6 +28,7 @@ class ChaosDriverAdapter(ReferenceAdapter):
 
     def start(self, config: EngineConfig) -> None:
         super().start(config)
+        self.prompts_served = 0
         script, _ = SCRIPTS[os.environ.get("KVCONFORM_CHAOS_DRIVER", "crash")]
         self.driver = DriverProcess(
             self.name,
@@ -36,10 +37,6 @@ class ChaosDriverAdapter(ReferenceAdapter):
             self.ctx.workdir / "logs" / "driver.log",
             start_timeout_s=20,
         )
-
-    def ensure(self, config: EngineConfig | None = None) -> None:
-        self.prompts_served = 0
-        super().ensure(config)
 
     def running(self) -> bool:
         return super().running() and self.driver is not None and self.driver.process.alive()
