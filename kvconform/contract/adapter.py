@@ -4,11 +4,12 @@ Suites never name an engine. They mark each check with the capabilities it needs
 (`@pytest.mark.requires(Capability.X)`); an engine lacking one is skipped with
 "engine E lacks capability X". The core below is what every check uses: start, stop, health,
 pids, the block size, metrics, logs, serve_prompt; `ensure(engine, config)` relaunches it
-between checks where needed (the policy lives in the contract, not in each adapter). Every feature beyond it is a typed
-facet (kvconform.contract.facets) that `facet(engine, Kind)` returns: the adapter itself where it
-inherits the facet, or what its method marked @provides(Facet) makes. Declaring a capability
-is a promise that what it needs (kvconform.contract.requirements) is there: registration
-refuses an adapter that declares one without it (fsspec's abstract-test pattern).
+between checks where needed (the policy lives in the contract, not in each adapter). Every
+feature beyond it is a typed facet (kvconform.contract.facets) that `facet(engine, Kind)`
+returns: the adapter itself where it inherits the facet, or what its method marked
+@provides(Facet) makes. Declaring a capability is a promise that what it needs
+(kvconform.contract.requirements) is there: registration refuses an adapter that declares one
+without it (fsspec's abstract-test pattern).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvconform.contract.types import (
 )
 from kvconform.errors import UsageError
 from kvconform.events import EventLedger
-from kvconform.metrics import MetricMap, MetricSnapshot
+from kvconform.metrics import MetricSnapshot
 from kvconform.processes import TeardownReport
 from kvconform.results import Measure
 
@@ -71,8 +72,7 @@ class EngineAdapter(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     deployment: Deployment = Deployment()  # what the oracles compute from (a profile may set it)
-    traits: ClassVar[EngineTraits] = EngineTraits()  # where oracles and waits follow the engine's design
-    metric_map: MetricMap = MetricMap()  # the suite's logical metrics, in this engine's names
+    traits: EngineTraits = EngineTraits()  # its metric names, and where oracles and waits follow its design
 
     def __init__(self, ctx: AdapterContext) -> None:
         self.ctx = ctx
@@ -232,8 +232,8 @@ def restart(adapter: EngineAdapter) -> list[TeardownReport]:
 
 
 def read_metric(adapter: EngineAdapter, logical: str, snapshot: MetricSnapshot, **labels: str) -> float:
-    """A logical metric, through this engine's name for it (its metric_map)."""
-    return adapter.metric_map.read(adapter.name, logical, snapshot, **labels)
+    """A logical metric, through this engine's name for it (its traits.metric_map)."""
+    return adapter.traits.metric_map.read(adapter.name, logical, snapshot, **labels)
 
 
 def metric_delta(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kvconform.metrics import MetricMap
 from kvconform.oracles import KvLayout, LastToken
 
 
@@ -55,8 +56,13 @@ class Deployment:
 
 @dataclass(frozen=True)
 class EngineTraits:
-    """How an engine behaves by its own design, where an oracle or a wait must follow it. An
-    adapter sets only what differs from the default, and cites where the engine does so."""
+    """How an engine differs by its own design from what the suite assumes: the names it gives
+    the suite's metrics, and where an oracle or a wait must follow its behaviour. An adapter
+    sets only what differs from the default, and cites where the engine does so."""
+
+    # The suite's logical metrics (prefix_hits, kv_usage, ...) in this engine's names; suites
+    # read them through read_metric(engine, logical, snapshot).
+    metric_map: MetricMap = field(default_factory=MetricMap)
 
     # What a fully cached prompt still computes (the last token's logits): LastToken.BLOCK (or
     # True) the whole last block, LastToken.TOKEN only the last token, LastToken.NONE (or False)

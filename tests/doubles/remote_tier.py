@@ -367,20 +367,22 @@ class RemoteTierDouble(DoubleAdapter, KvPool):
             Capability.REMOTE_TIER,
         }
     )
-    traits = EngineTraits(recomputes_last_token=False)  # a cache store returns every stored chunk
+    traits = EngineTraits(
+        recomputes_last_token=False,
+        metric_map=MetricMap(
+            names={
+                "l2_usage_bytes": USAGE,
+                "l2_store_submitted": SUBMITTED,
+                "l2_store_completed": COMPLETED,
+                "l2_store_failed": FAILED,
+                "l2_store_submitted_requests": TASKS_SUBMITTED,
+                "l2_store_completed_requests": TASKS_COMPLETED,
+                "l1_usage_bytes": L1_USAGE,
+            },
+        ),
+    )  # a cache store returns every stored chunk
     faults: ClassVar[dict[str, Fault]] = FAULTS
     slow_faults: ClassVar[tuple[str, ...]] = ("lost_remote_hangs_requests",)  # two requests x 31 s
-    metric_map = MetricMap(
-        names={
-            "l2_usage_bytes": USAGE,
-            "l2_store_submitted": SUBMITTED,
-            "l2_store_completed": COMPLETED,
-            "l2_store_failed": FAILED,
-            "l2_store_submitted_requests": TASKS_SUBMITTED,
-            "l2_store_completed_requests": TASKS_COMPLETED,
-            "l1_usage_bytes": L1_USAGE,
-        },
-    )
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)

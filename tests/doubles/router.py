@@ -19,7 +19,15 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any, ClassVar
 
-from kvconform.contract import Capability, KvPool, KvRouter, MetricMap, ServedPrompt, deployed_block_size
+from kvconform.contract import (
+    Capability,
+    EngineTraits,
+    KvPool,
+    KvRouter,
+    MetricMap,
+    ServedPrompt,
+    deployed_block_size,
+)
 from kvconform.engines.reference.faults import Fault
 from kvconform.metrics import MetricSnapshot
 from tests.doubles.base import DoubleAdapter
@@ -137,8 +145,10 @@ class RouterDouble(DoubleAdapter, KvPool, KvRouter):
         {Capability.PREFIX_CACHE, Capability.FORCED_EVICTION, Capability.ROUTER_PREDICTION}
     )
     faults: ClassVar[dict[str, Fault]] = FAULTS
-    metric_map = MetricMap(
-        names={"active_blocks": ACTIVE_METRIC},
+    traits = EngineTraits(
+        metric_map=MetricMap(
+            names={"active_blocks": ACTIVE_METRIC},
+        )
     )
 
     def start(self, config: Any) -> None:

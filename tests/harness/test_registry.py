@@ -108,7 +108,7 @@ def test_an_inherited_facet_is_provided_but_its_stubs_are_not() -> None:
 # The lifecycle core every adapter shares. Anything else an engine offers is a facet
 # (kvconform.contract.facets) or a function of the contract over the core (ensure(), facet(),
 # deployed_block_size(), read_metric(), restart()): the core grows only with a reason here.
-CORE_DECLARATIONS = {"capabilities", "deployment", "traits", "metric_map"}
+CORE_DECLARATIONS = {"capabilities", "deployment", "traits"}
 CORE_METHODS = {
     "version",
     "preflight",
@@ -129,4 +129,4 @@ CORE_METHODS = {
 def test_the_adapter_core_is_the_lifecycle_and_nothing_else() -> None:
     public = {name for name in vars(EngineAdapter) if not name.startswith("_")}
     assert public == CORE_DECLARATIONS | CORE_METHODS
-    assert len(public) == 17
+    assert len(public) == 16

@@ -74,7 +74,12 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     # No blocks: the slot keeps any common prefix, token by token (server-context.cpp:3200).
     deployment = Deployment(block_size=1, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
     # Fully cached prompt: n_past-- (server-context.cpp:3382-3386), one token recomputed.
-    traits = EngineTraits(recomputes_last_token=LastToken.TOKEN)
+    traits = EngineTraits(
+        recomputes_last_token=LastToken.TOKEN,
+        metric_map=MetricMap(
+            names={"prefix_hits": CACHED_TOKENS, "prefix_queries": (PROCESSED_TOKENS, CACHED_TOKENS)},
+        ),
+    )
     # The tiny GGUF (make_gguf.py): 2 layers, 4 query heads, 2 KV heads of 64. The KV cache is
     # f16 (common/common.h:589-590, cache_type_k/v = GGML_TYPE_F16) whatever the weights' type.
     heads = 4
@@ -99,6 +104,7 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
             C.INSTANCE_CHURN,  # release path "restart" (kvconform.kit.restart_churn)
         }
     )
+
     # Attached to a server someone else started, its -c, --parallel and --cache-ram are not
     # ours: a slot erase need not empty the host-RAM prompt cache (on by default, 8192 MiB,
     # common/common.h:634) and the capacity is unknown, so neither reset nor forced eviction
@@ -107,10 +113,6 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     # llama-server counts every prompt token once, either processed (prompt_tokens_total,
     # "excluding cached tokens") or reused (prompt_tokens_cached_total): the tokens queried
     # against the cache are their sum, both the engine's own counters as exported.
-    metric_map = MetricMap(
-        names={"prefix_hits": CACHED_TOKENS, "prefix_queries": (PROCESSED_TOKENS, CACHED_TOKENS)},
-    )
-
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.churn = RestartChurn(self)

@@ -12,7 +12,7 @@ is. What an adapter for a new engine writes, all of it here:
 - `start` (launch, wait until healthy), `stop` (teardown report: leftover processes and shm),
   `running`, `engine_pids`, `logs` (each process's log tail);
 - `serve_prompt`: prompt tokens, cached tokens, output token ids, from the engine's own answer;
-- `metrics` and `metric_map`: the suite's logical names mapped to the engine's series;
+- `metrics`, and `traits.metric_map`: the suite's logical names mapped to the engine's series;
 - `reset_prefix_cache`, where the engine has one: the CacheReset facet, which the adapter
   provides by inheriting it (kvconform/contract/facets/ has every facet).
 """
@@ -28,6 +28,7 @@ from kvconform.contract import (
     Deployment,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     MetricMap,
     ModelShape,
     ServedPrompt,
@@ -54,11 +55,13 @@ class ExampleAdapter(HttpApi, EngineAdapter, CacheReset):
             C.HOST_MEMORY,
         }
     )
-    metric_map = MetricMap(
-        names={
-            "prefix_queries": "kvref_prefix_queries_total",
-            "prefix_hits": "kvref_prefix_hits_total",
-        },
+    traits = EngineTraits(
+        metric_map=MetricMap(
+            names={
+                "prefix_queries": "kvref_prefix_queries_total",
+                "prefix_hits": "kvref_prefix_hits_total",
+            },
+        )
     )
 
     def __init__(self, ctx: AdapterContext) -> None:

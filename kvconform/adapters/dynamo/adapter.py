@@ -97,7 +97,24 @@ class DynamoAdapter(
     env_spec = "dynamo"
     worker_label = "mocker"  # in the workers' log names
     deployment = Deployment(block_size=16, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
-    traits = EngineTraits(workers=WORKERS)
+    traits = EngineTraits(
+        workers=WORKERS,
+        metric_map=MetricMap(
+            names={
+                "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
+                "prefix_hits": "dynamo_frontend_cached_tokens_sum",
+                # IntCounterVec "kv_cache_events_applied" {event_type, status} of the KV router's indexer
+                # (lib/kv-router/src/indexer/metrics.rs, 1.6.1); the runtime prefixes dynamo_component_
+                # and, being Rust's prometheus crate, adds no _total (none in 1.6.1's _core.abi3.so).
+                "router_events_applied": "dynamo_component_kv_cache_events_applied",
+                "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
+                # Each mocker's simulated KV pool, on its system port in vLLM's names (used blocks /
+                # pool blocks, set as its scheduler steps); summed over the mockers it is 0 only when
+                # no worker holds a block for a request.
+                "kv_usage": "vllm:kv_cache_usage_perc",
+            },
+        ),
+    )
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -119,21 +136,6 @@ class DynamoAdapter(
             C.DISAGG_SERVING,
             C.OFFLOAD_HOST_HITS,  # the mocker's native vLLM G2 host tier (--num-host-blocks), one mocker
         }
-    )
-    metric_map = MetricMap(
-        names={
-            "prefix_queries": "dynamo_frontend_input_sequence_tokens_sum",
-            "prefix_hits": "dynamo_frontend_cached_tokens_sum",
-            # IntCounterVec "kv_cache_events_applied" {event_type, status} of the KV router's indexer
-            # (lib/kv-router/src/indexer/metrics.rs, 1.6.1); the runtime prefixes dynamo_component_
-            # and, being Rust's prometheus crate, adds no _total (none in 1.6.1's _core.abi3.so).
-            "router_events_applied": "dynamo_component_kv_cache_events_applied",
-            "active_blocks": "dynamo_frontend_worker_active_decode_blocks",
-            # Each mocker's simulated KV pool, on its system port in vLLM's names (used blocks /
-            # pool blocks, set as its scheduler steps); summed over the mockers it is 0 only when
-            # no worker holds a block for a request.
-            "kv_usage": "vllm:kv_cache_usage_perc",
-        },
     )
     # Read from each mocker's system port and merged into metrics() with a `mocker` label.
     worker_metric_families: ClassVar[tuple[str, ...]] = (
@@ -549,7 +551,7 @@ class DynamoAdapter(
         """The router applies KV events asynchronously (eventually consistent by design): route
         once its applied-events counter has stopped moving, so a prediction is judged against
         the events of the requests before it, not against the transport's lag."""
-        (name,) = self.metric_map.sample_names("router_events_applied")
+        (name,) = self.traits.metric_map.sample_names("router_events_applied")
         last: list[float] = []
 
         def settled() -> bool:
@@ -563,7 +565,7 @@ class DynamoAdapter(
     def router_event_status(self, before: MetricSnapshot, after: MetricSnapshot) -> dict[str, float]:
         """KV events the router applied since `before`, by status (ok, parent_block_not_found,
         block_not_found, invalid_block, ...: lib/kv-router/src/indexer/metrics.rs)."""
-        (name,) = self.metric_map.sample_names("router_events_applied")
+        (name,) = self.traits.metric_map.sample_names("router_events_applied")
         if not after.has(name):
             raise EngineError(
                 self.name, f"metric {name} is absent from the frontend's /metrics after routed requests"

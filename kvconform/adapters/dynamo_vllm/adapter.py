@@ -16,6 +16,7 @@ one worker a repeated prompt meets its own cache whatever the router decides.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from typing import ClassVar
 
 from kvconform.adapters.dynamo.adapter import MODEL_NAME, DynamoAdapter
@@ -23,7 +24,6 @@ from kvconform.contract import (
     Capability,
     Deployment,
     EngineConfig,
-    EngineTraits,
     ModelShape,
     deployed_block_size,
 )
@@ -40,7 +40,7 @@ class DynamoVllmAdapter(DynamoAdapter):
     worker_label = "vllm"
     # vLLM 0.31.0 on CPU refuses block 16 at start (select_common_block_size, measured); 32 as on `vllm`
     deployment = Deployment(block_size=32, model=ModelShape(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2))
-    traits = EngineTraits(workers=1)
+    traits = replace(DynamoAdapter.traits, workers=1)  # its metric names are the frontend's
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,

@@ -103,7 +103,39 @@ class LmcacheAdapter(
     # a cache store returns every stored chunk; L1 evicts on a background loop
     # lookup_requested_tokens counts whole chunks only (a shorter tail is never looked up)
     traits = EngineTraits(
-        recomputes_last_token=False, eviction_period_s=L1_EVICTION_PERIOD_S, queries_whole_blocks=True
+        recomputes_last_token=False,
+        eviction_period_s=L1_EVICTION_PERIOD_S,
+        queries_whole_blocks=True,
+        metric_map=MetricMap(
+            names={
+                "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
+                "prefix_hits": "lmcache_mp_lookup_hit_tokens_total",
+                "lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
+                "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",
+                "l1_usage_bytes": "lmcache_mp_l1_memory_usage_bytes",
+                "l1_usage_ratio": "lmcache_mp_l1_usage_ratio",
+                "l2_usage_bytes": "lmcache_mp_l2_usage_bytes",
+                "l2_store_submitted": "lmcache_mp_l2_store_submitted_objects_chunks_total",
+                "l2_store_completed": "lmcache_mp_l2_store_completed_objects_chunks_total",
+                # per store task, failed ones included (storage_controllers/store_controller.py
+                # _finalize_store publishes L2_STORE_COMPLETED either way); the object counter above
+                # counts successful chunks only (mp_observability/subscribers/metrics/l2.py)
+                "l2_store_submitted_requests": "lmcache_mp_l2_store_submitted_requests_total",
+                "l2_store_completed_requests": "lmcache_mp_l2_store_completed_requests_total",
+            },
+            lazy=frozenset(
+                {
+                    "prefix_queries",
+                    "prefix_hits",
+                    "lookup_requested_tokens",
+                    "lookup_hit_tokens",
+                    "l2_store_submitted",
+                    "l2_store_completed",
+                    "l2_store_submitted_requests",
+                    "l2_store_completed_requests",
+                }
+            ),
+        ),
     )
     capabilities = frozenset(
         {
@@ -127,36 +159,6 @@ class LmcacheAdapter(
             C.TRACE_REPLAY,  # its cache simulator over lookup-hash logs (drivers/lmcache_simulator_driver.py)
             C.RADIX_INDEX,  # its MP coordinator's key directory (`lmcache coordinator`)
         }
-    )
-    metric_map = MetricMap(
-        names={
-            "prefix_queries": "lmcache_mp_lookup_requested_tokens_total",
-            "prefix_hits": "lmcache_mp_lookup_hit_tokens_total",
-            "lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
-            "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",
-            "l1_usage_bytes": "lmcache_mp_l1_memory_usage_bytes",
-            "l1_usage_ratio": "lmcache_mp_l1_usage_ratio",
-            "l2_usage_bytes": "lmcache_mp_l2_usage_bytes",
-            "l2_store_submitted": "lmcache_mp_l2_store_submitted_objects_chunks_total",
-            "l2_store_completed": "lmcache_mp_l2_store_completed_objects_chunks_total",
-            # per store task, failed ones included (storage_controllers/store_controller.py
-            # _finalize_store publishes L2_STORE_COMPLETED either way); the object counter above
-            # counts successful chunks only (mp_observability/subscribers/metrics/l2.py)
-            "l2_store_submitted_requests": "lmcache_mp_l2_store_submitted_requests_total",
-            "l2_store_completed_requests": "lmcache_mp_l2_store_completed_requests_total",
-        },
-        lazy=frozenset(
-            {
-                "prefix_queries",
-                "prefix_hits",
-                "lookup_requested_tokens",
-                "lookup_hit_tokens",
-                "l2_store_submitted",
-                "l2_store_completed",
-                "l2_store_submitted_requests",
-                "l2_store_completed_requests",
-            }
-        ),
     )
     health_path = "/healthcheck"
 

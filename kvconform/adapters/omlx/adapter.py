@@ -131,7 +131,16 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
     # An exact block-aligned hit is served from N-1 tokens: oMLX trims the reconstructed cache
     # by one token to compute the last (omlx/scheduler.py, _trim_prompt_cache_for_generation),
     # where a block-granular cache drops the whole last block.
-    traits = EngineTraits(recomputes_last_token=LastToken.TOKEN)
+    traits = EngineTraits(
+        recomputes_last_token=LastToken.TOKEN,
+        metric_map=MetricMap(
+            names={
+                "prefix_queries": "omlx_total_prompt_tokens",
+                "prefix_hits": "omlx_total_cached_tokens",
+                "disk_usage_bytes": "omlx_runtime_cache_total_size_bytes",
+            },
+        ),
+    )
     capabilities = frozenset(
         {
             C.PREFIX_CACHE,
@@ -151,16 +160,9 @@ class OmlxAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, Cache
         }
     )
     releases_cached_prefix = True  # a running request's own KV lives in the batch generator
+
     # oMLX's instance is a model its engine pool loads and unloads (admin API): the suite's
     # "unregister" path, an instance released from an engine that keeps running.
-    metric_map = MetricMap(
-        names={
-            "prefix_queries": "omlx_total_prompt_tokens",
-            "prefix_hits": "omlx_total_cached_tokens",
-            "disk_usage_bytes": "omlx_runtime_cache_total_size_bytes",
-        },
-    )
-
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
         if self.ctx.attached:

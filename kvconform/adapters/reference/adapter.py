@@ -110,29 +110,31 @@ class ReferenceAdapter(
             C.DISAGG_SERVING,
         }
     )
-    metric_map = MetricMap(
-        names={
-            "prefix_queries": "kvref_prefix_queries_total",
-            "prefix_hits": "kvref_prefix_hits_total",
-            "cached_by_source_host": "kvref_prompt_tokens_cached_by_source_total{source=host}",
-            "kv_usage": "kvref_kv_usage_perc",
-            "blocks_total": "kvref_blocks_total",
-            "offload_usage": "kvref_offload_usage_perc",
-            "offload_write_usage": "kvref_offload_write_usage_perc",
-            "offload_read_usage": "kvref_offload_read_usage_perc",
-            "offload_store_bytes": "kvref_offload_store_bytes_total",
-            "offload_load_bytes": "kvref_offload_load_bytes_total",
-            "offload_stored_blocks": "kvref_offload_stored_blocks_total",
-            "offload_loaded_blocks": "kvref_offload_loaded_blocks_total",
-            "offload_failed_stores": "kvref_offload_failed_stores_total",
-            "transfer_bytes_sent": "kvref_transfer_bytes_sent_total",
-            "transfer_bytes_received": "kvref_transfer_bytes_received_total",
-            "l2_usage_bytes": "kvref_disk_usage_bytes",
-            "l2_store_submitted": "kvref_disk_store_submitted_total",
-            "l2_store_completed": "kvref_disk_store_completed_total",
-        },
-    )
-    traits = EngineTraits(event_settle_s=0.3)  # events leave the engine with each response
+    traits = EngineTraits(
+        event_settle_s=0.3,
+        metric_map=MetricMap(
+            names={
+                "prefix_queries": "kvref_prefix_queries_total",
+                "prefix_hits": "kvref_prefix_hits_total",
+                "cached_by_source_host": "kvref_prompt_tokens_cached_by_source_total{source=host}",
+                "kv_usage": "kvref_kv_usage_perc",
+                "blocks_total": "kvref_blocks_total",
+                "offload_usage": "kvref_offload_usage_perc",
+                "offload_write_usage": "kvref_offload_write_usage_perc",
+                "offload_read_usage": "kvref_offload_read_usage_perc",
+                "offload_store_bytes": "kvref_offload_store_bytes_total",
+                "offload_load_bytes": "kvref_offload_load_bytes_total",
+                "offload_stored_blocks": "kvref_offload_stored_blocks_total",
+                "offload_loaded_blocks": "kvref_offload_loaded_blocks_total",
+                "offload_failed_stores": "kvref_offload_failed_stores_total",
+                "transfer_bytes_sent": "kvref_transfer_bytes_sent_total",
+                "transfer_bytes_received": "kvref_transfer_bytes_received_total",
+                "l2_usage_bytes": "kvref_disk_usage_bytes",
+                "l2_store_submitted": "kvref_disk_store_submitted_total",
+                "l2_store_completed": "kvref_disk_store_completed_total",
+            },
+        ),
+    )  # events leave the engine with each response
     shm_prefix = "kvconform-ref-"
 
     def __init__(self, ctx: AdapterContext) -> None:

@@ -176,10 +176,6 @@ class SglangServerAdapter(
     env_spec = "sglang-server"
     deployment = Deployment(block_size=SERVER_PAGE_SIZE, model=MODEL)
     capabilities = SERVER_CAPABILITIES
-    metric_map = MetricMap(
-        names=SERVER_METRICS,
-        lazy=frozenset({"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}),
-    )
     # TokenizerManager.create_abort_task sleeps 2 s before aborting a disconnected request
     # (sglang/srt/managers/tokenizer_manager.py:2427, 0.5.23). sglang:token_usage is set per
     # batch report; idle, the scheduler republishes it only when the running-requests gauge
@@ -187,7 +183,16 @@ class SglangServerAdapter(
     # metrics_reporter.py, _maybe_log_idle_metrics, 0.5.23). A request aborted before its
     # first decode report leaves its prefill-time usage up for that long (measured on a loaded
     # 2-core runner: 0.02 after 10 s idle).
-    traits = EngineTraits(abort_delay_s=2.0, idle_gauge_refresh_s=30.0)
+    traits = EngineTraits(
+        abort_delay_s=2.0,
+        idle_gauge_refresh_s=30.0,
+        metric_map=MetricMap(
+            names=SERVER_METRICS,
+            lazy=frozenset(
+                {"prefix_queries", "prefix_hits", "prefix_hits_host", "evicted_tokens", "requests"}
+            ),
+        ),
+    )
 
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()

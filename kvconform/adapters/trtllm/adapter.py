@@ -65,6 +65,7 @@ from kvconform.contract import (
     Deployment,
     EngineAdapter,
     EngineConfig,
+    EngineTraits,
     KvEvents,
     KvPool,
     MetricMap,
@@ -466,8 +467,11 @@ class TrtllmAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, KvEvents):
             return f"TensorRT-LLM {version} (not a known release: read as 1.2)"
         return f"TensorRT-LLM {version}"
 
-    @property  # per instance: the release decides
-    def metric_map(self) -> MetricMap:  # type: ignore[override]
+    @property  # per instance: the release decides which metrics it exports
+    def traits(self) -> EngineTraits:  # type: ignore[override]
+        return EngineTraits(metric_map=self.release_metric_map())
+
+    def release_metric_map(self) -> MetricMap:
         """Only names the release exports; one it exports but the scrape lacks is an error
         naming it, never 0 (trtllm has no lazily created counter this adapter reads)."""
         names = self.release().metric_names

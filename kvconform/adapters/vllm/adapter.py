@@ -163,27 +163,29 @@ class VllmAdapter(
     )
     # vllm/v1/kv_offload/cpu/manager.py (0.32.0), CPUOffloadingManager.get_stats:
     # read_usage = max(usage - write_usage, 0.0)
-    traits = EngineTraits(read_gauge_is_usage_minus_write=True)
-    metric_map = MetricMap(
-        names={
-            "prefix_queries": "vllm:prefix_cache_queries_total",
-            "prefix_hits": "vllm:prefix_cache_hits_total",
-            "kv_usage": "vllm:kv_cache_usage_perc",
-            "preemptions": "vllm:num_preemptions_total",
-            "offload_usage": "vllm:kv_offload_cpu_cache_usage_perc",
-            "offload_write_usage": "vllm:kv_offload_cpu_cache_write_usage_perc",
-            "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
-            "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
-            "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
-            # chunks the manager allocated for stores (prepare_store); see host_store_failures()
-            "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
-            "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
-            "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
-            # cascades that reached the fs tier, blocks x chunk bytes (TieringMetricsTracker.
-            # _observe_finished_job_stats); labelled "<index among secondary tiers + 1>:<type>"
-            "l2_written_bytes": "vllm:kv_offload_tiering_write_bytes_total{tier=1:fs}",
-        },
-        lazy=frozenset({"l2_written_bytes"}),  # created with its tier label by the first cascade
+    traits = EngineTraits(
+        read_gauge_is_usage_minus_write=True,
+        metric_map=MetricMap(
+            names={
+                "prefix_queries": "vllm:prefix_cache_queries_total",
+                "prefix_hits": "vllm:prefix_cache_hits_total",
+                "kv_usage": "vllm:kv_cache_usage_perc",
+                "preemptions": "vllm:num_preemptions_total",
+                "offload_usage": "vllm:kv_offload_cpu_cache_usage_perc",
+                "offload_write_usage": "vllm:kv_offload_cpu_cache_write_usage_perc",
+                "offload_read_usage": "vllm:kv_offload_cpu_cache_read_usage_perc",
+                "offload_store_bytes": "vllm:kv_offload_store_bytes_total",
+                "offload_load_bytes": "vllm:kv_offload_load_bytes_total",
+                # chunks the manager allocated for stores (prepare_store); see host_store_failures()
+                "offload_store_chunks_prepared": "vllm:kv_offload_cpu_allocation_size_sum",
+                "cached_by_source_host": "vllm:prompt_tokens_cached_by_source_total{source=host}",
+                "external_prefix_hits": "vllm:external_prefix_cache_hits_total",
+                # cascades that reached the fs tier, blocks x chunk bytes (TieringMetricsTracker.
+                # _observe_finished_job_stats); labelled "<index among secondary tiers + 1>:<type>"
+                "l2_written_bytes": "vllm:kv_offload_tiering_write_bytes_total{tier=1:fs}",
+            },
+            lazy=frozenset({"l2_written_bytes"}),  # created with its tier label by the first cascade
+        ),
     )
     # A reset asks vLLM to reset the connector's cache too (`reset_external=true`): the offload
     # tier is vLLM's own and stays, a connector's store is the prefix cache of the stack.
@@ -215,7 +217,9 @@ class VllmAdapter(
         super().__init__(ctx)
         # Whether an offload metric vLLM has not created yet reads 0 depends on this instance's
         # tier and its host-copy worker's log.
-        self.metric_map = replace(self.metric_map, lazy_when=self._offload_metric_lazy)
+        self.traits = replace(
+            self.traits, metric_map=replace(self.traits.metric_map, lazy_when=self._offload_metric_lazy)
+        )
         self.churn = RestartChurn(self)
         self.server: LaunchedServer | None = None
         self._attached_block: int | None = None
@@ -562,7 +566,7 @@ class VllmAdapter(
     LAZY_METRIC_GRACE_S: ClassVar[float] = 2.0
 
     def _offload_metric_lazy(self, logical: str, snapshot: MetricSnapshot) -> bool:
-        """Whether `logical`, absent from `snapshot`, reads as 0 (its metric_map's lazy_when)."""
+        """Whether `logical`, absent from `snapshot`, reads as 0 (its traits.metric_map's lazy_when)."""
         if logical not in self.LAZY_OFFLOAD_METRICS or not self._offload_tier_present(snapshot):
             return False
         return logical not in self.LAZY_GAUGES or not self._transfer_logged_before(snapshot)

@@ -49,23 +49,25 @@ REGISTER_TIMEOUT_S = 10.0  # after /health answers, vLLM's worker has registered
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "DO_NOT_TRACK": "1"}
 
 
+# Prefix hits of the stack: vLLM's own prefix cache and what the connector loaded
+# (vllm:prompt_tokens_cached_by_source "sums to vllm:prefix_cache_hits +
+# vllm:external_prefix_cache_hits", vllm/v1/metrics/loggers.py).
+STACK_METRICS = replace(
+    VllmAdapter.traits.metric_map,
+    names={
+        **VllmAdapter.traits.metric_map.names,
+        "prefix_hits": (
+            *VllmAdapter.traits.metric_map.sample_names("prefix_hits"),
+            *VllmAdapter.traits.metric_map.sample_names("external_prefix_hits"),
+        ),
+    },
+)
+
+
 class VllmLmcacheAdapter(VllmAdapter):
     name = "vllm-lmcache"
     env_spec = "vllm-lmcache"
     stack_env_specs: ClassVar[tuple[str, ...]] = ("lmcache",)  # the LMCache server's environment
-    # Prefix hits of the stack: vLLM's own prefix cache and what the connector loaded
-    # (vllm:prompt_tokens_cached_by_source "sums to vllm:prefix_cache_hits +
-    # vllm:external_prefix_cache_hits", vllm/v1/metrics/loggers.py).
-    metric_map = replace(
-        VllmAdapter.metric_map,
-        names={
-            **VllmAdapter.metric_map.names,
-            "prefix_hits": (
-                *VllmAdapter.metric_map.sample_names("prefix_hits"),
-                *VllmAdapter.metric_map.sample_names("external_prefix_hits"),
-            ),
-        },
-    )
     # LMCache's chunk = vLLM's block, so hits from either are whole blocks of the same size
     # (LMCache needs chunk % block == 0: lmcache/integration/vllm/lmcache_mp_connector.py).
     # A block size asked of vLLM restarts the LMCache server with that chunk size (the server's
@@ -109,7 +111,10 @@ class VllmLmcacheAdapter(VllmAdapter):
     # (vllm/v1/core/sched/scheduler.py, after a finished external load: "a full prompt hit
     # re-computes that token", num_computed_tokens = num_tokens - 1).
     traits = replace(
-        VllmAdapter.traits, recomputes_last_token=LastToken.TOKEN, eviction_period_s=L1_EVICTION_PERIOD_S
+        VllmAdapter.traits,
+        recomputes_last_token=LastToken.TOKEN,
+        eviction_period_s=L1_EVICTION_PERIOD_S,
+        metric_map=STACK_METRICS,
     )
     # float32: a hit served from LMCache recomputes one token on another kernel path than the
     # cold prefill, and in bfloat16 the two round apart enough to flip a near-tie of the tiny

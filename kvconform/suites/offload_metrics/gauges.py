@@ -29,14 +29,14 @@ class GaugeSampler(PeriodicSampler):
         super().__init__(interval_s)
         self.engine = engine
         self.samples: list[GaugeSample] = []
-        self.counter_names = [c for c in COUNTERS if c in engine.metric_map]
+        self.counter_names = [c for c in COUNTERS if c in engine.traits.metric_map]
         # an engine without offload gauges (only its host hits judged) is sampled for counters
         self.gauges = C.OFFLOAD_GAUGES in supported(engine)
         self.scraped = [
             name
             for m in (*(GAUGES if self.gauges else ()), *self.counter_names)
-            if m in engine.metric_map
-            for name in engine.metric_map.sample_names(m)
+            if m in engine.traits.metric_map
+            for name in engine.traits.metric_map.sample_names(m)
         ]
 
     def sample(self) -> None:

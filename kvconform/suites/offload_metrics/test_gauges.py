@@ -180,14 +180,14 @@ def test_offloaded_prefix_returns_as_host_hit(
         note="every full block comes back from the host tier (dropped from the device by "
         + ("its reset)" if C.RESET_PREFIX_CACHE in supported(engine) else "LRU eviction)"),
     )
-    if "cached_by_source_host" in engine.metric_map:
+    if "cached_by_source_host" in engine.traits.metric_map:
         host = metric_delta(engine, "cached_by_source_host", offload_run.before, offload_run.after)
         verdict.equal("host_source_counter_delta", host, expected, "tokens")
     else:
         verdict.record(
             "host_source_counter_delta", "no host-source counter", note=f"engine {engine.name} has none"
         )
-    if "external_prefix_hits" in engine.metric_map:
+    if "external_prefix_hits" in engine.traits.metric_map:
         external = metric_delta(engine, "external_prefix_hits", offload_run.before, offload_run.after)
         verdict.equal("external_prefix_hits_delta", external, expected, "tokens")
     # A host hit that loads the wrong bytes, or into the wrong slots, counts right: only the

@@ -218,7 +218,7 @@ def pending_objects(engine: EngineAdapter) -> float:
     pending = read_metric(engine, "l2_store_submitted", snap) - read_metric(
         engine, "l2_store_completed", snap
     )
-    if "l2_store_failed" in engine.metric_map:
+    if "l2_store_failed" in engine.traits.metric_map:
         pending -= read_metric(engine, "l2_store_failed", snap)
     return pending
 
@@ -248,7 +248,7 @@ def test_remote_store_counters_track_pending_writes(
     block = deployed_block_size(engine)
     chunk_bytes = facet(engine, PersistentTier).block_bytes()
     chunks = 8
-    names = engine.metric_map
+    names = engine.traits.metric_map
     l1_before = read_metric(engine, "l1_usage_bytes", engine.metrics()) if "l1_usage_bytes" in names else 0.0
 
     facet(engine, RemoteStore).pause_writes(PAUSE_S)

@@ -39,7 +39,7 @@ def test_tiered_store_metrics_consistent(
     engine: EngineAdapter, prompts: PromptFactory, verdict: Verdict
 ) -> None:
     ensure(engine, EngineConfig(persistent=True))
-    names = engine.metric_map
+    names = engine.traits.metric_map
     judged = [name for name in L2_ACCOUNTING if name in names]
     if not judged:
         pytest.fail(f"{engine.name} declares {C.TIERED_STORE_METRICS} but maps none of {L2_ACCOUNTING}")

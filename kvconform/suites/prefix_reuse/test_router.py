@@ -142,7 +142,7 @@ def test_router_prediction_matches_worker(
                 "router_events_applied_ok", applied.get("ok", 0.0), ">=", 1, "events", note=str(applied)
             )
         verdict.equal("router_events_not_applied_ok", sum(failed.values()), 0, "events", note=str(failed))
-    if "active_blocks" in engine.metric_map:
+    if "active_blocks" in engine.traits.metric_map:
         drained = poll_until(
             lambda: read_metric(engine, "active_blocks", engine.metrics()) == 0, timeout_s=10.0
         )

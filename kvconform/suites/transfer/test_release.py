@@ -167,7 +167,9 @@ def test_event_ledger_consistent(
     after_fill = None
     if has(C.FORCED_EVICTION):
         # where the engine counts its evictions: the fill's events from here, its counter from here
-        start = (ledger_mark(engine), engine.metrics()) if "evicted_tokens" in engine.metric_map else None
+        start = (
+            (ledger_mark(engine), engine.metrics()) if "evicted_tokens" in engine.traits.metric_map else None
+        )
         fill_cache(engine, prompts, factor=1.5)
         after_fill = resident_after_fill(engine, mark)
         if start is not None:
@@ -261,7 +263,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
             )
     if has(C.TRANSFER_ACCOUNTING) and (transfer := facet(engine, KvTransfer)).aborts:
         transfer.transfer(prompts.fresh(4 * block + 1), transfer.layouts[0], 1, 1, abort_after_pages=3)
-    if "kv_usage" in engine.metric_map:
+    if "kv_usage" in engine.traits.metric_map:
         # Read once, at the bound: polled until it reads 0, a gauge that dips to 0 between
         # reports and comes back would pass.
         idle_s = IDLE_BOUND_S + engine.traits.idle_gauge_refresh_s
@@ -287,7 +289,7 @@ def test_abort_releases_kv_once(engine: EngineAdapter, prompts: PromptFactory, v
         if not refused:
             verdict.require(
                 "release_measures",
-                int(in_flight is not None) + int("kv_usage" in engine.metric_map),
+                int(in_flight is not None) + int("kv_usage" in engine.traits.metric_map),
                 ">=",
                 1,
                 note="a live request count or a KV usage gauge; the engine has no KV events",

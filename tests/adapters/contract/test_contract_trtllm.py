@@ -101,7 +101,7 @@ def test_launch_mode_release_is_the_env_spec_pin(tmp_path: Path) -> None:
     caps = supported(launched)
     assert {C.RESTART, C.HOST_MEMORY, C.BLOCK_POOL_STATS, C.KV_EVENTS} <= caps
     assert C.PREFIX_HIT_COUNTERS not in caps
-    assert launched.metric_map.names == {}
+    assert launched.traits.metric_map.names == {}
 
 
 def test_unknown_version_reads_as_the_oldest_line(tmp_path: Path) -> None:
@@ -291,12 +291,12 @@ def test_adapter_reads_only_names_its_release_serves(trtllm: TrtllmAdapter, fake
     trtllm.serve_prompt(list(range(500, 540)))
     text = fake_trtllm._prometheus({}, None, {})[1]
     served = set(parse_prometheus(text).names())
-    mapped = set(trtllm.metric_map.names.values())
+    mapped = set(trtllm.traits.metric_map.names.values())
     assert mapped <= served
     if not fake_trtllm.v13:
         assert mapped == set() and not any(n.startswith("trtllm_") for n in served)
     snapshot = trtllm.metrics()
-    for logical in set(METRIC_SINCE) - set(trtllm.metric_map.names):
+    for logical in set(METRIC_SINCE) - set(trtllm.traits.metric_map.names):
         with pytest.raises(NotImplementedError, match=rf"TensorRT-LLM {fake_trtllm.release} exports no "):
             read_metric(trtllm, logical, snapshot)
     rows = trtllm.iteration_stats()
