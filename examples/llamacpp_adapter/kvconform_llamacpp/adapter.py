@@ -254,8 +254,4 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     def reclaim_probe(self, path: str | None = None) -> dict[str, MemoryMeasure]:
         # What stopped servers left behind (exact, cumulative). These do not move with the KV
         # a running server holds, so the long session judges the engine by RSS alone.
-        left = self.churn.leftovers
-        return {
-            "restart_leftover_processes": MemoryMeasure(left["processes"], True, "processes", holds_kv=False),
-            "restart_leftover_shm_bytes": MemoryMeasure(left["shm_bytes"], True, holds_kv=False),
-        }
+        return self.churn.leftover_measures()
