@@ -17,70 +17,22 @@ ever really used torchvision, the driver fails loudly instead of computing somet
 How it is put on the path: the SGLang driver appends the `standins` directory to sys.path, and
 only when no real torchvision is importable; the servers that need it (sglang-server,
 dynamo-vllm's workers) get it on PYTHONPATH (kvconform.kit.drivers.TORCHVISION_STANDIN_DIR).
+The placeholders are kvconform_standin's, beside this package.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-import types
+from kvconform_standin import stand_in
 
 __version__ = "0.0.0+kvconform.standin"
 KVCONFORM_STANDIN = True
 
 
-class _Placeholder:
-    """A symbol of the stand-in: importable, inspectable, never usable."""
-
-    def __init__(self, qualname: str) -> None:
-        self._qualname = qualname
-
-    def __getattr__(self, attr: str) -> _Placeholder:
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(f"{self._qualname}.{attr}")
-
-    def __call__(self, *args: object, **kwargs: object) -> _Placeholder:
-        raise RuntimeError(
-            f"{self._qualname} was called, but torchvision here is kvconform's stand-in "
-            "(kit/engine_side/standins); this code path needs the real torchvision"
-        )
-
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
-    def __repr__(self) -> str:
-        return f"<kvconform torchvision stand-in {self._qualname}>"
+def _refuse(qualname: str) -> RuntimeError:
+    return RuntimeError(
+        f"{qualname} was called, but torchvision here is kvconform's stand-in "
+        "(kit/engine_side/standins); this code path needs the real torchvision"
+    )
 
 
-def _module_getattr(module_name: str):
-    def __getattr__(attr: str) -> _Placeholder:
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(f"{module_name}.{attr}")
-
-    return __getattr__
-
-
-class _StandinSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Synthesises any `torchvision.<sub>` module as a stand-in package."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.startswith(__name__ + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__getattr__ = _module_getattr(spec.name)
-        return module
-
-    def exec_module(self, module) -> None:
-        return None
-
-
-__getattr__ = _module_getattr(__name__)
-if not any(isinstance(f, _StandinSubmodules) for f in sys.meta_path):
-    sys.meta_path.append(_StandinSubmodules())
+__getattr__ = stand_in(__name__, _refuse)
