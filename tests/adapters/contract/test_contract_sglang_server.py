@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import threading
 import time
@@ -257,7 +258,8 @@ def test_sgl_kernel_stand_in_imports_and_raises_when_called() -> None:
     )
     out = subprocess.run(
         ["python3", "-c", code],
-        env={"PYTHONPATH": str(STUB_DIRS[0]), "PATH": "/usr/bin:/bin"},
+        # the path the adapter gives the server: the sgl_kernel stand-in and the shared placeholders
+        env={"PYTHONPATH": os.pathsep.join(str(d) for d in STUB_DIRS), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=60,
