@@ -76,6 +76,9 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
     # Fully cached prompt: n_past-- (server-context.cpp:3382-3386), one token recomputed.
     traits = EngineTraits(
         recomputes_last_token=LastToken.TOKEN,
+        # llama-server counts every prompt token once, either processed (prompt_tokens_total,
+        # "excluding cached tokens") or reused (prompt_tokens_cached_total): the tokens queried
+        # against the cache are their sum, both the engine's own counters as exported.
         metric_map=MetricMap(
             names={"prefix_hits": CACHED_TOKENS, "prefix_queries": (PROCESSED_TOKENS, CACHED_TOKENS)},
         ),
@@ -105,19 +108,15 @@ class LlamaCppAdapter(EngineEnv, HttpApi, EngineAdapter, KvPool, ReclaimProbe, C
         }
     )
 
-    # Attached to a server someone else started, its -c, --parallel and --cache-ram are not
-    # ours: a slot erase need not empty the host-RAM prompt cache (on by default, 8192 MiB,
-    # common/common.h:634) and the capacity is unknown, so neither reset nor forced eviction
-    # can be promised.
-    # prefix_queries is not one series: see metric() (processed + cached prompt tokens).
-    # llama-server counts every prompt token once, either processed (prompt_tokens_total,
-    # "excluding cached tokens") or reused (prompt_tokens_cached_total): the tokens queried
-    # against the cache are their sum, both the engine's own counters as exported.
     def __init__(self, ctx: AdapterContext) -> None:
         super().__init__(ctx)
         self.churn = RestartChurn(self)
         self.server: LaunchedServer | None = None
 
+    # Attached to a server someone else started, its -c, --parallel and --cache-ram are not
+    # ours: a slot erase need not empty the host-RAM prompt cache (on by default, 8192 MiB,
+    # common/common.h:634) and the capacity is unknown, so neither reset nor forced eviction
+    # can be promised.
     def unsupported(self) -> dict[Capability, str]:
         gaps = super().unsupported()
         if self.ctx.attached:

@@ -11,6 +11,7 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Callable
+from typing import NoReturn
 
 Refusal = Callable[[str], RuntimeError]  # the error a call of the named symbol raises
 
@@ -27,7 +28,7 @@ class Placeholder:
             raise AttributeError(attr)
         return Placeholder(f"{self._qualname}.{attr}", self._refuse)
 
-    def __call__(self, *args: object, **kwargs: object) -> Placeholder:
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
         raise self._refuse(self._qualname)
 
     def __mro_entries__(self, bases: tuple[object, ...]) -> tuple[type, ...]:
